@@ -1,0 +1,121 @@
+//! The data the tracer hands on: plain values, no process handles.
+//!
+//! An [`Event`] is one call of the allocator API as the target made it. Everything
+//! downstream of the tracer (unwinding, interning, recording, reports) sees only
+//! these types, so it can be driven by tests without a live process.
+
+use std::fmt;
+
+/// The allocator functions memptrace hooks, in the order of the `op` codes stored
+/// in the database (`event_log.op`). Never reorder: the code is on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Op {
+    Malloc = 0,
+    Calloc = 1,
+    Realloc = 2,
+    Free = 3,
+    PosixMemalign = 4,
+    AlignedAlloc = 5,
+    Memalign = 6,
+    Valloc = 7,
+    Pvalloc = 8,
+    Reallocarray = 9,
+}
+
+impl Op {
+    /// Every op, in code order.
+    pub const ALL: [Op; 10] = [
+        Op::Malloc,
+        Op::Calloc,
+        Op::Realloc,
+        Op::Free,
+        Op::PosixMemalign,
+        Op::AlignedAlloc,
+        Op::Memalign,
+        Op::Valloc,
+        Op::Pvalloc,
+        Op::Reallocarray,
+    ];
+
+    /// The C name of the function, as stored in `events.op`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Malloc => "malloc",
+            Op::Calloc => "calloc",
+            Op::Realloc => "realloc",
+            Op::Free => "free",
+            Op::PosixMemalign => "posix_memalign",
+            Op::AlignedAlloc => "aligned_alloc",
+            Op::Memalign => "memalign",
+            Op::Valloc => "valloc",
+            Op::Pvalloc => "pvalloc",
+            Op::Reallocarray => "reallocarray",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+
+    pub fn from_code(code: u8) -> Option<Op> {
+        Op::ALL.get(usize::from(code)).copied()
+    }
+
+    /// True for every function that hands a block to the caller (all but free).
+    /// These are the calls whose return value memptrace captures.
+    pub fn allocates(self) -> bool {
+        self != Op::Free
+    }
+
+    /// True for the functions that take a block back: free, realloc, reallocarray.
+    pub fn takes_block(self) -> bool {
+        matches!(self, Op::Free | Op::Realloc | Op::Reallocarray)
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One allocator call, complete: arguments, result and the stack it came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// Sequence number, in the order the calls took effect (allocations at their
+    /// return, frees at their entry). Unique within a trace.
+    pub id: u64,
+    /// Nanoseconds since the trace started, taken when the call took effect.
+    pub ts_ns: u64,
+    /// Process (thread group) id.
+    pub pid: u32,
+    pub tid: u32,
+    pub op: Op,
+    /// The block returned (allocating calls; 0 when the call failed) or released (free).
+    pub ptr: u64,
+    /// Bytes requested (calloc and reallocarray: n*m). `None` for free, and when the
+    /// product n*m does not fit in 64 bits.
+    pub size: Option<u64>,
+    /// The block realloc/reallocarray received.
+    pub old_ptr: Option<u64>,
+    /// The alignment asked of posix_memalign, aligned_alloc and memalign.
+    pub align: Option<u64>,
+    /// For a call that released a block (free, or realloc moving it away): the id of
+    /// the event that allocated that block, when it was traced.
+    pub alloc_id: Option<u64>,
+    /// The leaf of the call stack in the `stacks` trie; `None` when no stack was taken.
+    pub stack_id: Option<u64>,
+}
+
+impl Event {
+    /// True when this call released `old_ptr` (realloc/reallocarray): it returned a
+    /// block, or it was asked for 0 bytes (glibc frees and returns NULL then).
+    /// A failed realloc leaves the old block alone.
+    pub fn released_old(&self) -> bool {
+        match self.old_ptr {
+            Some(old) if old != 0 => self.ptr != 0 || self.size == Some(0),
+            _ => false,
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! Where recorded data goes. The tracer and the unwinder produce [`Record`]s; a
+//! [`Recorder`] feeds them, on a thread of its own, to an [`EventSink`]: SQLite
+//! for real traces, memory for tests. Nothing above this module knows SQL.
+
+mod memory;
+mod sqlite;
+
+pub use memory::MemorySink;
+pub use sqlite::SqliteSink;
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::event::Event;
+
+/// An ELF image mapped in a traced process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleRecord {
+    pub id: u64,
+    pub pid: u32,
+    pub path: String,
+    /// GNU build-id, lower-case hex.
+    pub build_id: Option<String>,
+    /// First and one-past-last address of the image's mappings.
+    pub start: u64,
+    pub end: u64,
+    /// Load bias: runtime address minus the address the file states.
+    pub base: u64,
+    pub loaded_ns: u64,
+}
+
+/// A thread seen while tracing. Sent again when its name or end becomes known;
+/// the last record for a tid wins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadRecord {
+    pub tid: u32,
+    pub pid: u32,
+    pub name: String,
+    pub start_ns: u64,
+    pub end_ns: Option<u64>,
+}
+
+/// One unique code address on some stack. `ip` is a return address (the
+/// instruction after the call); symbolization looks up `ip - 1`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrameRecord {
+    pub id: u64,
+    pub ip: u64,
+    pub module_id: Option<u64>,
+}
+
+/// A node of the stack trie. A stack is its leaf node (the caller of the
+/// allocator); following `parent_id` walks outwards to the root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackNode {
+    pub id: u64,
+    pub parent_id: Option<u64>,
+    pub frame_id: u64,
+    /// Number of frames from the outermost frame: the root has depth 0.
+    pub depth: u32,
+}
+
+/// A source location of a frame. One frame can have several: the function whose
+/// code it is (index 0, possibly inlined) and the functions it was inlined into.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceLine {
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+}
+
+/// The symbols of one frame, found after the trace: innermost first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrameSymbols {
+    pub frame_id: u64,
+    pub lines: Vec<SourceLine>,
+}
+
+/// Everything a sink stores, in the order it must be stored: a module, frame or
+/// stack node always arrives before the first record that refers to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Record {
+    Meta { key: String, value: String },
+    Module(ModuleRecord),
+    /// The module was unmapped (dlclose, exec or exit) at this time.
+    ModuleUnloaded { id: u64, ts_ns: u64 },
+    Thread(ThreadRecord),
+    Frame(FrameRecord),
+    StackNode(StackNode),
+    Event(Event),
+    Symbols(FrameSymbols),
+}
+
+/// Storage for a trace. Implementations are driven from one thread (the
+/// [`Recorder`]) and may buffer freely between [`EventSink::commit`] calls.
+pub trait EventSink: Send {
+    fn write(&mut self, record: &Record) -> Result<(), SinkError>;
+
+    /// Make everything written so far durable and visible to readers.
+    fn commit(&mut self) -> Result<(), SinkError>;
+
+    /// The trace is over: build indexes, fold logs back, close.
+    fn finish(&mut self) -> Result<(), SinkError>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the recorder thread stopped: {0}")]
+    Stopped(String),
+}
+
+/// How often the recorder commits when data keeps coming, so that `sqlite3
+/// trace.db` sees a running trace grow.
+const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Batches in flight between producers and the recorder thread. Bounded, so a
+/// target that allocates faster than the disk writes is slowed down rather than
+/// memptrace growing without limit.
+const QUEUE_BATCHES: usize = 64;
+
+/// Runs an [`EventSink`] on its own thread; producers send batches of records.
+pub struct Recorder {
+    tx: Option<SyncSender<Vec<Record>>>,
+    thread: Option<JoinHandle<Result<RecorderStats, SinkError>>>,
+}
+
+/// What the recorder did, for the closing summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecorderStats {
+    pub records: u64,
+    pub events: u64,
+    pub commits: u64,
+}
+
+impl Recorder {
+    pub fn spawn(sink: Box<dyn EventSink>) -> Recorder {
+        let (tx, rx) = sync_channel(QUEUE_BATCHES);
+        let thread = std::thread::Builder::new()
+            .name("memptrace-recorder".into())
+            .spawn(move || record_loop(sink, rx))
+            .expect("spawning the recorder thread");
+        Recorder {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// A handle producers on other threads can send through.
+    pub fn sender(&self) -> RecordSender {
+        RecordSender {
+            tx: self.tx.clone().expect("recorder already finished"),
+        }
+    }
+
+    /// Wait until every record sent has been written, then finish the sink.
+    pub fn finish(mut self) -> Result<RecorderStats, SinkError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<RecorderStats, SinkError> {
+        drop(self.tx.take());
+        match self.thread.take() {
+            Some(thread) => thread
+                .join()
+                .map_err(|_| SinkError::Stopped("the recorder thread panicked".into()))?,
+            None => Ok(RecorderStats::default()),
+        }
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+/// The producer side of a [`Recorder`].
+#[derive(Clone)]
+pub struct RecordSender {
+    tx: SyncSender<Vec<Record>>,
+}
+
+impl RecordSender {
+    /// Send a batch; fails only when the recorder has stopped on an error.
+    pub fn send(&self, batch: Vec<Record>) -> Result<(), SinkError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.tx
+            .send(batch)
+            .map_err(|_| SinkError::Stopped("it stopped after an error".into()))
+    }
+}
+
+fn record_loop(
+    mut sink: Box<dyn EventSink>,
+    rx: Receiver<Vec<Record>>,
+) -> Result<RecorderStats, SinkError> {
+    let mut stats = RecorderStats::default();
+    let mut dirty = false;
+    let mut last_commit = Instant::now();
+    loop {
+        let wait = COMMIT_INTERVAL.saturating_sub(last_commit.elapsed());
+        match rx.recv_timeout(wait) {
+            Ok(batch) => {
+                for record in &batch {
+                    sink.write(record)?;
+                    if matches!(record, Record::Event(_)) {
+                        stats.events += 1;
+                    }
+                }
+                stats.records += batch.len() as u64;
+                dirty = true;
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if dirty && last_commit.elapsed() >= COMMIT_INTERVAL {
+            sink.commit()?;
+            stats.commits += 1;
+            dirty = false;
+            last_commit = Instant::now();
+        } else if !dirty {
+            last_commit = Instant::now();
+        }
+    }
+    sink.commit()?;
+    stats.commits += 1;
+    sink.finish()?;
+    Ok(stats)
+}
