@@ -14,6 +14,14 @@
 //! 5. [`symbols`] names each unique code address once, at the end of the trace.
 
 pub mod addr;
+pub mod cli;
+pub mod error;
 pub mod event;
+pub mod os;
+pub mod program;
+pub mod progress;
+pub mod session;
 pub mod sink;
 pub mod symbols;
+pub mod tracer;
+pub mod unwind;

@@ -81,10 +81,16 @@ pub struct FrameSymbols {
 /// stack node always arrives before the first record that refers to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record {
-    Meta { key: String, value: String },
+    Meta {
+        key: String,
+        value: String,
+    },
     Module(ModuleRecord),
     /// The module was unmapped (dlclose, exec or exit) at this time.
-    ModuleUnloaded { id: u64, ts_ns: u64 },
+    ModuleUnloaded {
+        id: u64,
+        ts_ns: u64,
+    },
     Thread(ThreadRecord),
     Frame(FrameRecord),
     StackNode(StackNode),

@@ -2,4 +2,5 @@
 //! allocator entry points ([`elf`]), and source-level names for code addresses
 //! ([`symbolize`]).
 
+pub mod elf;
 pub mod symbolize;

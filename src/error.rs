@@ -1,0 +1,50 @@
+//! Errors a user can act on, one variant per cause, each with a message that
+//! says what happened and, where there is something to do, what to do.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::sink::SinkError;
+use crate::tracer::TraceError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // --- the program to run ---
+    #[error("{0}: no such program (not a path, and not found in PATH)")]
+    ProgramNotFound(String),
+    #[error("{}: not executable ({reason})", path.display())]
+    NotExecutable { path: PathBuf, reason: String },
+    #[error("{}: not an ELF executable (memptrace runs ELF programs and #! scripts)", .0.display())]
+    NotElf(PathBuf),
+    #[error("{}: a 32-bit program; memptrace traces x86-64 programs only", .0.display())]
+    Not64Bit(PathBuf),
+    #[error("{}: {reason}", path.display())]
+    WrongMachine { path: PathBuf, reason: String },
+    #[error(
+        "{}: statically linked with no allocator symbol (malloc, free, ...) to hook: it was stripped; trace an unstripped build, or keep symbols with `strip --strip-debug` instead of `strip -s`",
+        .0.display()
+    )]
+    NoAllocator(PathBuf),
+    #[error("cannot execute {}: {source}", path.display())]
+    Exec { path: PathBuf, source: io::Error },
+
+    // --- the output ---
+    #[error("{}: already exists; choose another file with -o, or replace it with --force", .0.display())]
+    OutputExists(PathBuf),
+    #[error("cannot create {}: {source}", path.display())]
+    OutputUnwritable { path: PathBuf, source: io::Error },
+
+    // --- permission ---
+    #[error(
+        "ptrace is not permitted here ({0}); run memptrace as root, or allow it (sysctl kernel.yama.ptrace_scope=0, or the CAP_SYS_PTRACE capability; in a container, a seccomp profile that allows ptrace)"
+    )]
+    PtraceDenied(io::Error),
+
+    // --- while tracing ---
+    #[error("{0}")]
+    Trace(#[from] TraceError),
+    #[error("recording the trace failed: {0}")]
+    Sink(#[from] SinkError),
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}

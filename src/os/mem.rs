@@ -1,0 +1,135 @@
+//! Reading and writing the target's memory.
+//!
+//! Reads use process_vm_readv: one system call for any amount, no stop needed.
+//! Writes to data (stack slots) use process_vm_writev; writes to code use
+//! /proc/PID/mem, because process_vm_writev honours page protections and code
+//! pages are read-only (`proc(5)`: /proc/PID/mem writes use FOLL_FORCE, as
+//! ptrace does).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+
+use super::ptrace::Tid;
+
+const PAGE: u64 = 4096;
+
+/// Most iovecs one read is split into (`UIO_MAXIOV` is 1024).
+const MAX_IOV: usize = 64;
+
+/// Read as much of `buf.len()` bytes at `addr` as is mapped, in one system call.
+/// Returns the number of bytes read from the start of `buf`: a short count when
+/// the range runs into unmapped memory (the top of a stack mapping, say).
+///
+/// process_vm_readv stops at the first iovec it cannot read completely
+/// (`process_vm_readv(2)`, "partial transfers apply at the granularity of iovec
+/// elements"), so the remote range is split at page boundaries: the pages that
+/// are mapped are all read.
+pub fn read(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+    if buf.is_empty() {
+        return Ok(0);
+    }
+    let mut remote = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; MAX_IOV];
+    let mut count = 0;
+    let mut at = addr;
+    let end = addr.saturating_add(buf.len() as u64);
+    while at < end && count < MAX_IOV {
+        let page_end = (at / PAGE + 1) * PAGE;
+        let chunk_end = if count == MAX_IOV - 1 {
+            end
+        } else {
+            page_end.min(end)
+        };
+        remote[count] = libc::iovec {
+            iov_base: at as *mut libc::c_void,
+            iov_len: (chunk_end - at) as usize,
+        };
+        count += 1;
+        at = chunk_end;
+    }
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: (end - addr) as usize,
+    };
+    // SAFETY: `local` covers exactly `buf`; remote addresses are only read by
+    // the kernel, which checks them.
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), count as _, 0) };
+    if n < 0 {
+        let err = io::Error::last_os_error();
+        // EFAULT on the very first page: nothing is mapped there.
+        if err.raw_os_error() == Some(libc::EFAULT) {
+            return Ok(0);
+        }
+        return Err(err);
+    }
+    Ok(n as usize)
+}
+
+/// Read exactly `buf.len()` bytes or fail.
+pub fn read_exact(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+    let n = read(pid, addr, buf)?;
+    if n == buf.len() {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("{addr:#x}: only {n} of {} bytes are mapped", buf.len()),
+        ))
+    }
+}
+
+pub fn read_u64(pid: Tid, addr: u64) -> io::Result<u64> {
+    let mut word = [0u8; 8];
+    read_exact(pid, addr, &mut word)?;
+    Ok(u64::from_le_bytes(word))
+}
+
+/// Write to writable memory (a stack slot) in one system call.
+pub fn write_data(pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
+    let local = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: `local` covers `bytes`, which the kernel only reads.
+    let n = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != bytes.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            format!("{addr:#x}: short write"),
+        ));
+    }
+    Ok(())
+}
+
+/// /proc/PID/mem of a process, open for writing code (breakpoints, trampolines).
+pub struct CodeWriter {
+    file: File,
+}
+
+impl CodeWriter {
+    pub fn open(pid: Tid) -> io::Result<CodeWriter> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/{pid}/mem"))?;
+        Ok(CodeWriter { file })
+    }
+
+    pub fn write(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(bytes, addr)
+    }
+
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, addr)
+    }
+}

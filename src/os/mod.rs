@@ -1,0 +1,13 @@
+//! The only room with system calls: ptrace, process memory, /proc, the launch
+//! of the target, memptrace's own signal handling and the libunwind FFI.
+//!
+//! Everything outside `os` works on the plain values these functions return, so
+//! it can be tested without a live process. Functions here are thin: they do
+//! one kernel operation each and report errors as `io::Error` with the errno.
+
+pub mod launch;
+pub mod libunwind;
+pub mod mem;
+pub mod procfs;
+pub mod ptrace;
+pub mod signals;

@@ -1,0 +1,174 @@
+//! /proc/PID files: memory maps, thread names, process status.
+
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+
+use super::ptrace::Tid;
+
+/// One line of /proc/PID/maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub read: bool,
+    pub write: bool,
+    pub exec: bool,
+    pub offset: u64,
+    pub inode: u64,
+    /// The file, `[stack]`-style pseudo name, or empty for anonymous memory.
+    /// A deleted file keeps its " (deleted)" suffix.
+    pub path: String,
+}
+
+impl Mapping {
+    /// True for a mapping of a regular file (not [heap], [vdso], anonymous...).
+    pub fn is_file(&self) -> bool {
+        self.inode != 0 && self.path.starts_with('/')
+    }
+}
+
+pub fn read_maps(pid: Tid) -> io::Result<Vec<Mapping>> {
+    let text = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    Ok(parse_maps(&text))
+}
+
+/// Parse the text of /proc/PID/maps (`proc(5)`); malformed lines are skipped.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines().filter_map(parse_map_line).collect()
+}
+
+fn parse_map_line(line: &str) -> Option<Mapping> {
+    // address perms offset dev inode pathname; the path may contain spaces.
+    let mut rest = line;
+    let mut field = || {
+        let trimmed = rest.trim_start();
+        let end = trimmed.find(' ').unwrap_or(trimmed.len());
+        let (f, r) = trimmed.split_at(end);
+        rest = r;
+        f
+    };
+    let range = field();
+    let perms = field().as_bytes().to_vec();
+    let offset = field();
+    let _dev = field();
+    let inode = field();
+    let path = rest.trim_start().to_string();
+    let (start, end) = range.split_once('-')?;
+    if perms.len() < 3 {
+        return None;
+    }
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        read: perms[0] == b'r',
+        write: perms[1] == b'w',
+        exec: perms[2] == b'x',
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        inode: inode.parse().ok()?,
+        path,
+    })
+}
+
+/// The name of a thread (`/proc/PID/task/TID/comm`), without the newline.
+pub fn thread_name(pid: Tid, tid: Tid) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .ok()
+        .map(|s| s.trim_end_matches('\n').to_string())
+}
+
+/// The thread-group id of a thread (the `Tgid:` line of its status file).
+pub fn tgid(tid: Tid) -> Option<Tid> {
+    let status = fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
+    field(&status, "Tgid:")?.parse().ok()
+}
+
+/// The pid of the process tracing `pid`, 0 for none.
+pub fn tracer_pid(pid: Tid) -> Option<Tid> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    field(&status, "TracerPid:")?.parse().ok()
+}
+
+fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name))
+        .map(str::trim)
+}
+
+/// The threads of a process (`/proc/PID/task`).
+pub fn threads(pid: Tid) -> io::Result<Vec<Tid>> {
+    let mut tids = Vec::new();
+    for entry in fs::read_dir(format!("/proc/{pid}/task"))? {
+        if let Some(tid) = entry?.file_name().to_str().and_then(|s| s.parse().ok()) {
+            tids.push(tid);
+        }
+    }
+    tids.sort_unstable();
+    Ok(tids)
+}
+
+/// The command line of a process, arguments joined by spaces.
+pub fn cmdline(pid: Tid) -> Option<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = raw
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    Some(args.join(" "))
+}
+
+/// The executable of a process (`/proc/PID/exe`).
+pub fn exe(pid: Tid) -> Option<PathBuf> {
+    fs::read_link(format!("/proc/{pid}/exe")).ok()
+}
+
+/// A path that opens the file behind a mapping even when it was deleted or
+/// lives in another mount namespace (`/proc/PID/map_files/START-END`).
+pub fn map_file(pid: Tid, start: u64, end: u64) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/map_files/{start:x}-{end:x}"))
+}
+
+/// `vm.mmap_min_addr`: nothing can be mapped below it.
+pub fn mmap_min_addr() -> u64 {
+    fs::read_to_string("/proc/sys/vm/mmap_min_addr")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(65536)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_maps_lines() {
+        let text = "\
+55d0c4a00000-55d0c4a02000 r--p 00000000 fe:01 1234   /usr/bin/my prog
+7f1e2c000000-7f1e2c021000 rw-p 00000000 00:00 0 
+7ffc1a2b3000-7ffc1a2d4000 rw-p 00000000 00:00 0                          [stack]
+7f1e2d028000-7f1e2d1bd000 r-xp 00028000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+garbage
+";
+        let maps = parse_maps(text);
+        assert_eq!(maps.len(), 4);
+        assert_eq!(maps[0].path, "/usr/bin/my prog");
+        assert!(maps[0].is_file() && maps[0].read && !maps[0].exec);
+        assert_eq!(maps[1].path, "");
+        assert!(!maps[1].is_file());
+        assert_eq!(maps[2].path, "[stack]");
+        assert_eq!(maps[3].offset, 0x28000);
+        assert!(maps[3].exec);
+        assert_eq!(maps[3].start, 0x7f1e2d028000);
+    }
+
+    #[test]
+    fn reads_own_process() {
+        let me = std::process::id() as Tid;
+        let maps = read_maps(me).unwrap();
+        assert!(maps.iter().any(|m| m.path == "[stack]"));
+        assert_eq!(tgid(me), Some(me));
+        assert!(threads(me).unwrap().contains(&me));
+    }
+}

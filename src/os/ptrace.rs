@@ -1,0 +1,234 @@
+//! ptrace(2) and waitpid(2), called through libc.
+//!
+//! nix's `waitpid` rejects the status of a real-time-signal stop (EINVAL) and
+//! loses that stop, and nix has no PTRACE_LISTEN: every request here goes
+//! through `libc::ptrace` directly, with the tid as a plain `i32`.
+
+use std::io;
+
+pub use libc::user_regs_struct as Regs;
+
+/// A thread id, as the kernel uses it (a process id is its leader's thread id).
+pub type Tid = i32;
+
+const PTRACE_EVENT_STOP: i32 = 128;
+
+/// Options set on every tracee (`ptrace(2)`, PTRACE_SETOPTIONS). EXITKILL makes
+/// the kernel kill the target when memptrace dies, so a target is never left
+/// running with int3 bytes in it and nobody to handle them.
+pub const OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD
+    | libc::PTRACE_O_EXITKILL
+    | libc::PTRACE_O_TRACECLONE
+    | libc::PTRACE_O_TRACEFORK
+    | libc::PTRACE_O_TRACEVFORK
+    | libc::PTRACE_O_TRACEEXEC
+    | libc::PTRACE_O_TRACEEXIT;
+
+fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn request(req: libc::c_uint, tid: Tid, addr: usize, data: usize) -> io::Result<libc::c_long> {
+    // SAFETY: ptrace with integer arguments; pointers passed as `data` by the
+    // callers below point to live, correctly sized buffers.
+    check(unsafe { libc::ptrace(req, tid, addr, data) })
+}
+
+/// PTRACE_SEIZE with [`OPTIONS`]: attach without stopping the thread.
+pub fn seize(tid: Tid) -> io::Result<()> {
+    request(libc::PTRACE_SEIZE, tid, 0, OPTIONS as usize).map(drop)
+}
+
+/// PTRACE_INTERRUPT: make a seized thread report a PTRACE_EVENT_STOP.
+pub fn interrupt(tid: Tid) -> io::Result<()> {
+    request(libc::PTRACE_INTERRUPT, tid, 0, 0).map(drop)
+}
+
+/// Resume a stopped thread, delivering `sig` (0 for none).
+pub fn cont(tid: Tid, sig: i32) -> io::Result<()> {
+    request(libc::PTRACE_CONT, tid, 0, sig as usize).map(drop)
+}
+
+/// Leave a thread in group-stop but let the tracer hear when it ends
+/// (`ptrace(2)`, "Group-stop": PTRACE_LISTEN, for seized tracees only).
+pub fn listen(tid: Tid) -> io::Result<()> {
+    request(libc::PTRACE_LISTEN, tid, 0, 0).map(drop)
+}
+
+pub fn single_step(tid: Tid) -> io::Result<()> {
+    request(libc::PTRACE_SINGLESTEP, tid, 0, 0).map(drop)
+}
+
+pub fn detach(tid: Tid, sig: i32) -> io::Result<()> {
+    request(libc::PTRACE_DETACH, tid, 0, sig as usize).map(drop)
+}
+
+pub fn get_regs(tid: Tid) -> io::Result<Regs> {
+    let mut regs = std::mem::MaybeUninit::<Regs>::uninit();
+    request(libc::PTRACE_GETREGS, tid, 0, regs.as_mut_ptr() as usize)?;
+    // SAFETY: the kernel filled the whole struct when the call succeeded.
+    Ok(unsafe { regs.assume_init() })
+}
+
+pub fn set_regs(tid: Tid, regs: &Regs) -> io::Result<()> {
+    request(libc::PTRACE_SETREGS, tid, 0, regs as *const Regs as usize).map(drop)
+}
+
+/// PTRACE_GETEVENTMSG: the new tid after a clone/fork event, the former tid
+/// after exec, the exit status at PTRACE_EVENT_EXIT.
+pub fn event_msg(tid: Tid) -> io::Result<u64> {
+    let mut msg: libc::c_ulong = 0;
+    request(
+        libc::PTRACE_GETEVENTMSG,
+        tid,
+        0,
+        &mut msg as *mut libc::c_ulong as usize,
+    )?;
+    Ok(msg)
+}
+
+pub fn siginfo(tid: Tid) -> io::Result<libc::siginfo_t> {
+    let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
+    request(libc::PTRACE_GETSIGINFO, tid, 0, info.as_mut_ptr() as usize)?;
+    // SAFETY: zero-initialised and filled by the kernel.
+    Ok(unsafe { info.assume_init() })
+}
+
+/// Write one machine word of the tracee (PTRACE_POKEDATA writes through
+/// read-only code mappings, which process_vm_writev cannot).
+pub fn poke(tid: Tid, addr: u64, word: u64) -> io::Result<()> {
+    request(libc::PTRACE_POKEDATA, tid, addr as usize, word as usize).map(drop)
+}
+
+/// What waitpid reported about one thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// The thread (or, for a leader, the whole process) exited with this code.
+    Exited(i32),
+    /// It was killed by this signal.
+    Killed { sig: i32, core: bool },
+    /// Signal-delivery-stop: the thread is about to receive `sig`.
+    Signal(i32),
+    /// PTRACE_EVENT_{FORK,VFORK,CLONE,EXEC,EXIT} stop.
+    Event(i32),
+    /// PTRACE_EVENT_STOP: group-stop (sig is the stopping signal), the first stop of
+    /// an auto-attached thread, or a PTRACE_INTERRUPT.
+    EventStop(i32),
+    /// Syscall-stop (not requested by memptrace; reported for completeness).
+    Syscall,
+}
+
+impl Stop {
+    /// Decode a waitpid status word (`wait(2)`, `ptrace(2)` "Stopped states").
+    pub fn decode(status: i32) -> Stop {
+        if libc::WIFEXITED(status) {
+            return Stop::Exited(libc::WEXITSTATUS(status));
+        }
+        if libc::WIFSIGNALED(status) {
+            return Stop::Killed {
+                sig: libc::WTERMSIG(status),
+                core: libc::WCOREDUMP(status),
+            };
+        }
+        let sig = libc::WSTOPSIG(status);
+        let event = (status >> 16) & 0xff;
+        if event == PTRACE_EVENT_STOP {
+            Stop::EventStop(sig)
+        } else if event != 0 {
+            Stop::Event(event)
+        } else if sig == (libc::SIGTRAP | 0x80) {
+            Stop::Syscall
+        } else {
+            Stop::Signal(sig)
+        }
+    }
+}
+
+/// waitpid for any traced thread (`__WALL`: threads and processes alike). An
+/// interrupted wait (one of memptrace's own signals) returns `Ok(None)`, and so
+/// does ECHILD, which means nothing is left to wait for: callers tell the two
+/// apart with [`no_children`] semantics via their own bookkeeping.
+pub fn wait_any() -> io::Result<Option<(Tid, Stop)>> {
+    wait(-1, 0)
+}
+
+/// Non-blocking wait for any traced thread.
+pub fn poll_any() -> io::Result<Option<(Tid, Stop)>> {
+    wait(-1, libc::WNOHANG)
+}
+
+/// Wait for one thread only; other threads' stops stay queued for `wait_any`.
+pub fn wait_tid(tid: Tid) -> io::Result<Option<(Tid, Stop)>> {
+    wait(tid, 0)
+}
+
+fn wait(pid: Tid, flags: i32) -> io::Result<Option<(Tid, Stop)>> {
+    let mut status = 0;
+    // SAFETY: waitpid with a valid out pointer.
+    let ret = unsafe { libc::waitpid(pid, &mut status, libc::__WALL | flags) };
+    match ret {
+        0 => Ok(None),
+        -1 => {
+            let err = io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::EINTR) => Ok(None),
+                _ => Err(err),
+            }
+        }
+        tid => Ok(Some((tid, Stop::decode(status)))),
+    }
+}
+
+/// True when an error from a wait means "no traced thread is left".
+pub fn no_children(err: &io::Error) -> bool {
+    err.raw_os_error() == Some(libc::ECHILD)
+}
+
+/// Send a signal to one thread (tgkill).
+pub fn tgkill(pid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+    // SAFETY: plain syscall with integer arguments.
+    check(unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, sig) }).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_wait_statuses() {
+        assert_eq!(Stop::decode(3 << 8), Stop::Exited(3));
+        assert_eq!(
+            Stop::decode(libc::SIGSEGV),
+            Stop::Killed {
+                sig: libc::SIGSEGV,
+                core: false
+            }
+        );
+        let stopped = |sig: i32, event: i32| (event << 16) | (sig << 8) | 0x7f;
+        assert_eq!(
+            Stop::decode(stopped(libc::SIGTRAP, 0)),
+            Stop::Signal(libc::SIGTRAP)
+        );
+        // Real-time signals must survive decoding: nix loses them.
+        assert_eq!(
+            Stop::decode(stopped(libc::SIGRTMIN() + 3, 0)),
+            Stop::Signal(libc::SIGRTMIN() + 3)
+        );
+        assert_eq!(
+            Stop::decode(stopped(libc::SIGTRAP, libc::PTRACE_EVENT_CLONE)),
+            Stop::Event(libc::PTRACE_EVENT_CLONE)
+        );
+        assert_eq!(
+            Stop::decode(stopped(libc::SIGSTOP, PTRACE_EVENT_STOP)),
+            Stop::EventStop(libc::SIGSTOP)
+        );
+        assert_eq!(
+            Stop::decode(stopped(libc::SIGTRAP | 0x80, 0)),
+            Stop::Syscall
+        );
+    }
+}

@@ -1,0 +1,300 @@
+//! Breakpoint stops: an allocator entry, a redirected return, the dynamic
+//! linker's hook.
+//!
+//! At an entry the tracer reads the registers once, copies the stack with one
+//! process_vm_readv, and (for calls that return a block) replaces the return
+//! address on the stack with the return trampoline, as kernel uretprobes do;
+//! the thread then resumes at the displaced instruction's slot. At the return
+//! int3 the thread resumes at the real return address. Only a thread's
+//! outermost allocator call is recorded: an entry below a pending call of the
+//! same thread (realloc(NULL, n) entering malloc) just passes through. The
+//! bookkeeping runs after the thread is resumed.
+
+use super::callsite::{self, CallTarget};
+use super::ledger::CallFacts;
+use super::space::BreakpointKind;
+use super::{PendingCall, Role, TraceError, Tracer};
+use crate::event::Op;
+use crate::os::mem;
+use crate::os::procfs;
+use crate::os::ptrace::{self, Regs, Tid};
+use crate::unwind::pipeline::{CallStack, RawCall, TraceMsg};
+use crate::unwind::{StackSample, Unwinder};
+
+/// Bytes of stack copied per call for framehop (less at the top of a stack).
+pub const STACK_COPY: u64 = 32 * 1024;
+
+impl Tracer {
+    /// A SIGTRAP stop: one of our int3s, or the program's own SIGTRAP.
+    pub(super) fn trap(&mut self, tid: Tid) -> Result<(), TraceError> {
+        let regs = match ptrace::get_regs(tid) {
+            Ok(regs) => regs,
+            Err(_) => return Ok(()), // killed meanwhile; waitpid will say
+        };
+        let pid = self.threads[&tid].pid;
+        let Some(process) = self.processes.get(&pid) else {
+            return self.resume(tid, libc::SIGTRAP);
+        };
+        let recording = process.role == Role::Traced;
+        let owner = match process.role {
+            Role::Shares { parent } => parent,
+            _ => pid,
+        };
+        let Some(space) = self.processes.get(&owner).and_then(|p| p.space.as_ref()) else {
+            return self.resume(tid, libc::SIGTRAP);
+        };
+        let at = regs.rip.wrapping_sub(1);
+        if space.ret_tramp == Some(at) {
+            return self.on_return(tid, regs);
+        }
+        let Some(bp) = space.breakpoints.get(&at) else {
+            return self.resume(tid, libc::SIGTRAP);
+        };
+        let resume_at = bp.resume_at;
+        match bp.kind.clone() {
+            BreakpointKind::DebugState => {
+                let signals = if recording {
+                    self.refresh_images(pid, tid)?
+                } else {
+                    Vec::new()
+                };
+                self.redirect(tid, regs, resume_at, signals)
+            }
+            BreakpointKind::Allocator { .. } if !recording => {
+                self.redirect(tid, regs, resume_at, Vec::new())
+            }
+            BreakpointKind::Allocator { module_id, ops } => {
+                self.on_entry(tid, pid, regs, resume_at, module_id, &ops)
+            }
+        }
+    }
+
+    /// Resume a thread stopped at a breakpoint at the displaced instruction.
+    fn redirect(
+        &mut self,
+        tid: Tid,
+        mut regs: Regs,
+        resume_at: u64,
+        signals: Vec<i32>,
+    ) -> Result<(), TraceError> {
+        regs.rip = resume_at;
+        if ptrace::set_regs(tid, &regs).is_err() {
+            return Ok(()); // gone
+        }
+        self.resume_with(tid, signals)
+    }
+
+    fn on_entry(
+        &mut self,
+        tid: Tid,
+        pid: Tid,
+        regs: Regs,
+        resume_at: u64,
+        module_id: u64,
+        ops: &[Op],
+    ) -> Result<(), TraceError> {
+        let ret_tramp = self
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref())
+            .and_then(|s| s.ret_tramp);
+        let thread = self.threads.get_mut(&tid).expect("known thread");
+        if let Some(call) = &thread.in_call {
+            // The stack grows down: an entry below the pending call's frame is
+            // inside it. So is one at the same depth whose return address is
+            // our trampoline: the pending function tail-called another one
+            // (musl's memalign jumps to aligned_alloc). Any other entry at or
+            // above it means the pending call was left by a longjmp and will
+            // never return.
+            let nested = regs.rsp < call.entry_sp
+                || (regs.rsp == call.entry_sp
+                    && ret_tramp.is_some()
+                    && mem::read_u64(pid, regs.rsp).ok() == ret_tramp);
+            if nested {
+                self.stats.nested_calls += 1;
+                return self.redirect(tid, regs, resume_at, Vec::new());
+            }
+            thread.in_call = None;
+            self.stats.lost_returns += 1;
+        }
+        let (ret_addr, stack) = self.capture(tid, pid, &regs);
+        let op = match ops {
+            [op] => *op,
+            _ => self.alias(pid, ops, ret_addr),
+        };
+        let args = [regs.rdi, regs.rsi, regs.rdx];
+        if op == Op::Free {
+            self.redirect(tid, regs, resume_at, Vec::new())?;
+            let facts = self.facts(pid, tid, args, 0, 0);
+            self.complete(op, &facts, stack, module_id);
+            return Ok(());
+        }
+        let redirected =
+            ret_tramp.is_some_and(|t| mem::write_data(pid, regs.rsp, &t.to_le_bytes()).is_ok());
+        if redirected {
+            if let Some(thread) = self.threads.get_mut(&tid) {
+                thread.in_call = Some(PendingCall {
+                    op,
+                    args,
+                    ret_addr,
+                    entry_sp: regs.rsp,
+                    stack,
+                    module_id,
+                });
+            }
+        } else {
+            self.stats.lost_returns += 1;
+        }
+        self.redirect(tid, regs, resume_at, Vec::new())
+    }
+
+    fn on_return(&mut self, tid: Tid, mut regs: Regs) -> Result<(), TraceError> {
+        let pid = self.threads[&tid].pid;
+        let Some(call) = self.threads.get_mut(&tid).and_then(|t| t.in_call.take()) else {
+            // Nothing to return to: memptrace lost track of this call. The
+            // thread cannot continue correctly; let the program see the trap.
+            self.stats.warnings.push(format!(
+                "thread {tid} returned through memptrace without a pending call"
+            ));
+            return self.resume(tid, libc::SIGTRAP);
+        };
+        // posix_memalign's block is stored through its first argument: read it
+        // before the caller can touch it.
+        let stored = if call.op == Op::PosixMemalign && regs.rax as u32 == 0 {
+            mem::read_u64(pid, call.args[0]).unwrap_or(0)
+        } else {
+            0
+        };
+        let result = regs.rax;
+        regs.rip = call.ret_addr;
+        if ptrace::set_regs(tid, &regs).is_ok() {
+            self.resume(tid, 0)?;
+        }
+        let facts = self.facts(pid, tid, call.args, result, stored);
+        self.complete(call.op, &facts, call.stack, call.module_id);
+        Ok(())
+    }
+
+    pub(super) fn facts(
+        &self,
+        pid: Tid,
+        tid: Tid,
+        args: [u64; 3],
+        ret: u64,
+        stored_ptr: u64,
+    ) -> CallFacts {
+        CallFacts {
+            pid: pid as u32,
+            tid: tid as u32,
+            ts_ns: self.now_ns(),
+            args,
+            ret,
+            stored_ptr,
+        }
+    }
+
+    /// Book a finished call and send it down the pipeline.
+    pub(super) fn complete(&mut self, op: Op, facts: &CallFacts, stack: CallStack, module_id: u64) {
+        let done = self.ledger.complete(op, facts);
+        self.progress.update(&self.ledger);
+        self.send(TraceMsg::Call(Box::new(RawCall {
+            event: done.event,
+            stack,
+            allocator_module: module_id,
+            unmatched_release: done.unmatched_release,
+        })));
+    }
+
+    /// The caller's return address and what the unwinder needs, taken while
+    /// the thread is stopped at the allocator's first instruction.
+    fn capture(&mut self, tid: Tid, pid: Tid, regs: &Regs) -> (u64, CallStack) {
+        let sp = regs.rsp;
+        if !self.opts.stacks {
+            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+            return (ret, CallStack::CallerOnly(ret));
+        }
+        if let Some(libunwind) = self.libunwind.as_mut() {
+            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+            let sample = StackSample {
+                ip: ret,
+                sp: sp + 8,
+                bp: regs.rbp,
+                ..StackSample::default()
+            };
+            let mut ips = Vec::new();
+            libunwind.unwind(tid, &sample, &mut ips, self.opts.max_depth);
+            return (ret, CallStack::Unwound(ips));
+        }
+        let top = self.stack_top(tid, pid, sp);
+        let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
+        let mut bytes = vec![0u8; len];
+        let n = mem::read(pid, sp, &mut bytes).unwrap_or(0);
+        bytes.truncate(n);
+        let sample = StackSample {
+            ip: 0,
+            sp: sp + 8,
+            bp: regs.rbp,
+            base: sp,
+            bytes,
+        };
+        let ret = sample.read_u64(sp).unwrap_or(0);
+        (ret, CallStack::Sample(StackSample { ip: ret, ..sample }))
+    }
+
+    /// The end of the mapping holding a thread's stack, learnt once per thread
+    /// (and again if the thread moves to another stack).
+    fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
+        let thread = self.threads.get_mut(&tid).expect("known thread");
+        if let Some(range) = &thread.stack {
+            if range.contains(&sp) {
+                return range.end;
+            }
+        }
+        let found = procfs::read_maps(pid)
+            .ok()
+            .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end));
+        match found {
+            Some(m) => {
+                thread.stack = Some(m.start..m.end);
+                m.end
+            }
+            None => sp + STACK_COPY,
+        }
+    }
+
+    /// Which of several names sharing an address the caller used, from the
+    /// call instruction before `ret` (see [`callsite`]).
+    fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
+        if let Some(op) = self.aliases.get(&(pid, ret)) {
+            return *op;
+        }
+        let op = self.decode_alias(pid, ops, ret).unwrap_or(ops[0]);
+        self.aliases.insert((pid, ret), op);
+        op
+    }
+
+    fn decode_alias(&self, pid: Tid, ops: &[Op], ret: u64) -> Option<Op> {
+        let space = self.processes.get(&pid)?.space.as_ref()?;
+        let mut before = [0u8; 6];
+        mem::read_exact(pid, ret.checked_sub(6)?, &mut before).ok()?;
+        let slot = match callsite::call_before(&before, ret)? {
+            CallTarget::Slot(slot) => slot,
+            CallTarget::Direct(target) => {
+                let module = space.module_at(target)?;
+                if !module
+                    .image
+                    .in_plt(module.bias.to_svma(crate::addr::Avma(target)))
+                {
+                    return None;
+                }
+                let mut stub = [0u8; 16];
+                mem::read_exact(pid, target, &mut stub).ok()?;
+                callsite::plt_slot(&stub, target)?
+            }
+        };
+        let module = space.module_at(slot)?;
+        let svma = module.bias.to_svma(crate::addr::Avma(slot));
+        let op = *module.image.got_slots.get(&svma.0)?;
+        ops.contains(&op).then_some(op)
+    }
+}

@@ -1,0 +1,94 @@
+//! Running one system call inside the target: how trampoline pages get mapped.
+//!
+//! A stopped thread is pointed at an existing `syscall` instruction with the
+//! call's arguments in its registers and single-stepped over it; then every
+//! register is put back. No code is written and no breakpoint lifted, so the
+//! other threads, running meanwhile, see nothing. A signal that arrives during
+//! the step is kept and handed back to the caller to deliver afterwards.
+
+use std::io;
+
+use crate::os::ptrace::{self, Stop, Tid};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error("ptrace: {0}")]
+    Ptrace(#[from] io::Error),
+    #[error("the thread exited while running an injected system call")]
+    Gone,
+    #[error("the injected system call failed with errno {0}")]
+    Errno(i32),
+}
+
+/// The outcome of an injected call: its result and the signals that arrived
+/// meanwhile (to be delivered when the thread is resumed).
+pub struct Injected {
+    pub value: u64,
+    pub signals: Vec<i32>,
+}
+
+/// Run `syscall(nr, args...)` in the stopped thread `tid` using the `syscall`
+/// instruction bytes at `insn`.
+pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected, InjectError> {
+    let saved = ptrace::get_regs(tid)?;
+    let mut regs = saved;
+    regs.rax = nr;
+    regs.rdi = args[0];
+    regs.rsi = args[1];
+    regs.rdx = args[2];
+    regs.r10 = args[3];
+    regs.r8 = args[4];
+    regs.r9 = args[5];
+    regs.rip = insn;
+    // orig_rax = -1: the kernel must not treat the stop we came from as an
+    // interrupted system call to restart (`syscall(2)` restart logic).
+    regs.orig_rax = u64::MAX;
+
+    let mut signals = Vec::new();
+    let result = loop {
+        // (Re)load the call's registers before every step: stopped in a system
+        // call (the exec event), the kernel stores that call's result into rax
+        // on the way out, and the first step then ends before our instruction.
+        ptrace::set_regs(tid, &regs)?;
+        ptrace::single_step(tid)?;
+        let after = loop {
+            match ptrace::wait_tid(tid)? {
+                Some((_, stop)) => break stop,
+                None => continue, // our own signal interrupted the wait
+            }
+        };
+        match after {
+            Stop::Signal(libc::SIGTRAP) => {}
+            Stop::Signal(sig) => signals.push(sig),
+            Stop::Exited(_) | Stop::Killed { .. } => return Err(InjectError::Gone),
+            Stop::Event(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone),
+            _ => {}
+        }
+        let now = ptrace::get_regs(tid)?;
+        if now.rip != insn {
+            break now.rax;
+        }
+    };
+    ptrace::set_regs(tid, &saved)?;
+    let as_signed = result as i64;
+    if (-4095..0).contains(&as_signed) {
+        return Err(InjectError::Errno(-as_signed as i32));
+    }
+    Ok(Injected {
+        value: result,
+        signals,
+    })
+}
+
+/// mmap an anonymous read+execute page range at exactly `addr`.
+pub fn map_code(tid: Tid, insn: u64, addr: u64, len: u64) -> Result<Injected, InjectError> {
+    const MAP_FIXED_NOREPLACE: u64 = 0x100000;
+    let prot = (libc::PROT_READ | libc::PROT_EXEC) as u64;
+    let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64 | MAP_FIXED_NOREPLACE;
+    syscall(
+        tid,
+        insn,
+        libc::SYS_mmap as u64,
+        [addr, len, prot, flags, u64::MAX, 0],
+    )
+}

@@ -1,0 +1,688 @@
+//! The wait loop: every stop of every traced thread comes through here.
+//!
+//! The tracer owns the processes and threads it traces, their address spaces
+//! ([`space`]) and the book of live blocks ([`ledger`]). It turns breakpoint
+//! stops into calls ([`calls`]) and hands them, with everything else it learns
+//! (images, threads), to the pipeline thread in batches. It never writes a
+//! database and never unwinds with framehop itself: the stop path stays short.
+//!
+//! Rules it keeps (`ptrace(2)`): threads are seized, so group-stops are seen as
+//! PTRACE_EVENT_STOP and answered with PTRACE_LISTEN; signals are re-injected
+//! with their number, real-time ones included; a SIGTRAP that is not one of
+//! memptrace's int3s is delivered to the program.
+
+mod calls;
+mod callsite;
+mod detach;
+mod inject;
+mod ledger;
+mod space;
+mod trampoline;
+
+use std::collections::HashMap;
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use crate::event::Op;
+use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::{procfs, signals};
+use crate::sink::{Record, SinkError, ThreadRecord};
+use crate::unwind::libunwind::LibunwindUnwinder;
+use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
+use crate::unwind::{MappedImage, UnwinderKind};
+use ledger::Ledger;
+use space::{Changes, Space};
+
+pub use trampoline::RelocateError;
+
+/// What to record.
+#[derive(Clone, Debug)]
+pub struct TraceOptions {
+    pub max_depth: usize,
+    pub unwinder: UnwinderKind,
+    /// Take a stack for each call (`--no-stacks` turns it off).
+    pub stacks: bool,
+}
+
+/// How a trace ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// The program exited with this status.
+    Exited(i32),
+    /// The program was killed by this signal.
+    Killed { sig: i32, core: bool },
+    /// memptrace stopped tracing and detached; the program runs on.
+    Detached { reason: String },
+}
+
+/// Counters the progress line reads while the trace runs.
+#[derive(Default)]
+pub struct Progress {
+    pub events: AtomicU64,
+    pub live_bytes: AtomicU64,
+}
+
+/// Things worth telling the user after the trace.
+#[derive(Clone, Debug, Default)]
+pub struct TraceStats {
+    /// Allocator entries while the same thread was already inside the allocator.
+    pub nested_calls: u64,
+    /// Calls whose return never came back through memptrace (longjmp out of the
+    /// allocator, or in flight at detach).
+    pub lost_returns: u64,
+    /// Images found, and the allocator functions hooked in them.
+    pub images: u64,
+    pub hooked_functions: u64,
+    pub warnings: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("ptrace: {0}")]
+    Ptrace(#[from] io::Error),
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+}
+
+/// The role of a traced process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Launched, not yet through its first execve.
+    Prelaunch,
+    Traced,
+    /// A vfork child (or a clone sharing memory): it runs in its parent's
+    /// address space, breakpoints included, until it execs. Its calls are not
+    /// recorded; it is released when it execs or exits.
+    Shares {
+        parent: Tid,
+    },
+}
+
+struct Process {
+    role: Role,
+    space: Option<Space>,
+}
+
+/// A call that entered the allocator and has not returned yet.
+#[derive(Debug)]
+struct PendingCall {
+    op: Op,
+    args: [u64; 3],
+    ret_addr: u64,
+    /// rsp at entry: where the return address sits.
+    entry_sp: u64,
+    stack: CallStack,
+    module_id: u64,
+}
+
+struct Thread {
+    pid: Tid,
+    in_call: Option<PendingCall>,
+    /// The memory mapping that holds this thread's stack.
+    stack: Option<Range<u64>>,
+    start_ns: u64,
+}
+
+/// A child announced by a clone/fork/vfork event, before its first stop.
+#[derive(Clone, Copy, Debug)]
+enum Child {
+    Thread { pid: Tid },
+    Fork { parent: Tid },
+    Shared { parent: Tid },
+}
+
+/// How long the tracer polls for the next stop before it sleeps.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// Messages per batch sent to the pipeline.
+const BATCH: usize = 1024;
+
+pub struct Tracer {
+    opts: TraceOptions,
+    clock: Instant,
+    pipeline: PipelineHandle,
+    batch: Vec<TraceMsg>,
+    processes: HashMap<Tid, Process>,
+    threads: HashMap<Tid, Thread>,
+    /// First stops of threads whose creation event has not been seen yet.
+    early: HashMap<Tid, Stop>,
+    /// Children announced whose first stop has not been seen yet.
+    announced: HashMap<Tid, Child>,
+    ledger: Ledger,
+    next_module_id: u64,
+    root: Tid,
+    ending: Option<Ending>,
+    libunwind: Option<LibunwindUnwinder>,
+    aliases: HashMap<(Tid, u64), Op>,
+    progress: Arc<Progress>,
+    stats: TraceStats,
+    last_tick: u32,
+}
+
+impl Tracer {
+    /// A tracer for the launched (seized, not yet exec'd) process `root`.
+    pub fn new(
+        opts: TraceOptions,
+        pipeline: PipelineHandle,
+        root: Tid,
+        clock: Instant,
+        progress: Arc<Progress>,
+    ) -> io::Result<Tracer> {
+        let libunwind = match opts.unwinder {
+            UnwinderKind::Libunwind if opts.stacks => Some(LibunwindUnwinder::new()?),
+            _ => None,
+        };
+        let mut tracer = Tracer {
+            opts,
+            clock,
+            pipeline,
+            batch: Vec::with_capacity(BATCH),
+            processes: HashMap::new(),
+            threads: HashMap::new(),
+            early: HashMap::new(),
+            announced: HashMap::new(),
+            ledger: Ledger::new(),
+            next_module_id: 0,
+            root,
+            ending: None,
+            libunwind,
+            aliases: HashMap::new(),
+            progress,
+            stats: TraceStats::default(),
+            last_tick: signals::ticks(),
+        };
+        tracer.processes.insert(
+            root,
+            Process {
+                role: Role::Prelaunch,
+                space: None,
+            },
+        );
+        tracer.add_thread(root, root);
+        Ok(tracer)
+    }
+
+    pub fn stats(&self) -> &TraceStats {
+        &self.stats
+    }
+
+    /// Trace until the program exits or memptrace is told to stop; then hand
+    /// the pipeline everything still batched. Consumes the tracer's pipeline.
+    pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
+        let ending = self.wait_loop();
+        let flushed = self.flush();
+        let ending = ending?;
+        flushed?;
+        let stats = std::mem::take(&mut self.stats);
+        Ok((ending, stats, self.pipeline))
+    }
+
+    fn wait_loop(&mut self) -> Result<Ending, TraceError> {
+        loop {
+            if let Some(reason) = self.stop_requested() {
+                self.detach_all()?;
+                return Ok(Ending::Detached { reason });
+            }
+            if self.processes.is_empty() && self.announced.is_empty() {
+                break;
+            }
+            if self.batch.len() >= BATCH || self.ticked() {
+                self.flush()?;
+            }
+            match self.next_stop() {
+                Ok(Some((tid, stop))) => self.dispatch(tid, stop)?,
+                Ok(None) => {}
+                Err(err) if ptrace::no_children(&err) => break,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(self.ending.clone().unwrap_or(Ending::Exited(0)))
+    }
+
+    /// The next stop of any traced thread. Polls for a while before sleeping
+    /// in waitpid: on virtual machines, waking a tracer whose CPU went idle
+    /// costs far more than the stop itself (measured in docs/performance.md),
+    /// and an allocating program stops again within microseconds. Whatever is
+    /// batched goes to the pipeline before sleeping.
+    fn next_stop(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        let deadline = Instant::now() + SPIN;
+        loop {
+            if let Some(found) = ptrace::poll_any()? {
+                return Ok(Some(found));
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        if self.flush().is_err() {
+            // The pipeline is gone; the wait loop finds out when it sends next.
+        }
+        ptrace::wait_any()
+    }
+
+    /// A second Ctrl-C (the first one reaches the program, which decides), or
+    /// SIGTERM/SIGHUP, ends the trace.
+    fn stop_requested(&self) -> Option<String> {
+        if let Some(sig) = signals::terminate_signal() {
+            return Some(format!("memptrace received {}", signal_name(sig)));
+        }
+        (signals::interrupts() >= 2).then(|| "interrupted (Ctrl-C twice)".to_string())
+    }
+
+    fn ticked(&mut self) -> bool {
+        let now = signals::ticks();
+        let ticked = now != self.last_tick;
+        self.last_tick = now;
+        ticked
+    }
+
+    fn flush(&mut self) -> Result<(), TraceError> {
+        let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        self.pipeline.send(batch)?;
+        Ok(())
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.clock.elapsed().as_nanos() as u64
+    }
+
+    fn send(&mut self, msg: TraceMsg) {
+        self.batch.push(msg);
+    }
+
+    fn add_thread(&mut self, tid: Tid, pid: Tid) {
+        let start_ns = self.now_ns();
+        self.threads.insert(
+            tid,
+            Thread {
+                pid,
+                in_call: None,
+                stack: None,
+                start_ns,
+            },
+        );
+        self.send_thread(tid, None);
+    }
+
+    fn send_thread(&mut self, tid: Tid, end_ns: Option<u64>) {
+        let Some(thread) = self.threads.get(&tid) else {
+            return;
+        };
+        let record = ThreadRecord {
+            tid: tid as u32,
+            pid: thread.pid as u32,
+            name: procfs::thread_name(thread.pid, tid).unwrap_or_default(),
+            start_ns: thread.start_ns,
+            end_ns,
+        };
+        self.send(TraceMsg::Record(Record::Thread(record)));
+    }
+
+    /// Resume a thread, delivering `sig`. A thread that vanished meanwhile
+    /// (killed) is not an error: its exit is reported by waitpid.
+    fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
+        match ptrace::cont(tid, sig) {
+            Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+            other => Ok(other?),
+        }
+    }
+
+    fn dispatch(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        if !self.threads.contains_key(&tid) {
+            return self.unknown(tid, stop);
+        }
+        match stop {
+            Stop::Exited(_) | Stop::Killed { .. } => self.thread_gone(tid, stop),
+            Stop::Signal(libc::SIGTRAP) => self.trap(tid),
+            Stop::Signal(sig) => self.resume(tid, sig),
+            Stop::Event(event) => self.ptrace_event(tid, event),
+            Stop::EventStop(sig) if is_stopping_signal(sig) => {
+                // Group-stop: stay stopped, but let us hear SIGCONT.
+                match ptrace::listen(tid) {
+                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+                    other => Ok(other?),
+                }
+            }
+            Stop::EventStop(_) | Stop::Syscall => self.resume(tid, 0),
+        }
+    }
+
+    /// A stop of a thread we do not know yet: a new thread or child whose
+    /// creation event is still queued behind it.
+    fn unknown(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        if matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
+            // A thread that vanished in an exec, or a released child.
+            self.announced.remove(&tid);
+            return Ok(());
+        }
+        match self.announced.remove(&tid) {
+            Some(child) => self.adopt(tid, child),
+            None => {
+                self.early.insert(tid, stop);
+                Ok(())
+            }
+        }
+    }
+
+    fn ptrace_event(&mut self, tid: Tid, event: i32) -> Result<(), TraceError> {
+        match event {
+            libc::PTRACE_EVENT_CLONE | libc::PTRACE_EVENT_FORK | libc::PTRACE_EVENT_VFORK => {
+                self.announce_child(tid, event, false)?;
+                self.resume(tid, 0)
+            }
+            libc::PTRACE_EVENT_EXEC => self.exec(tid),
+            libc::PTRACE_EVENT_EXIT => {
+                let end = self.now_ns();
+                self.send_thread(tid, Some(end));
+                if let Some(thread) = self.threads.get_mut(&tid) {
+                    if thread.in_call.take().is_some() {
+                        self.stats.lost_returns += 1;
+                    }
+                }
+                self.resume(tid, 0)
+            }
+            _ => self.resume(tid, 0),
+        }
+    }
+
+    /// A clone/fork/vfork event: learn what the child is. Its first stop may
+    /// already have arrived (then it is adopted now) or may come later.
+    /// `stopped`: adopt it without resuming it (while detaching).
+    fn announce_child(&mut self, tid: Tid, event: i32, stopped: bool) -> Result<(), TraceError> {
+        let child = ptrace::event_msg(tid)? as Tid;
+        let pid = self.threads[&tid].pid;
+        let kind = match event {
+            libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
+            libc::PTRACE_EVENT_VFORK => Child::Shared { parent: pid },
+            _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
+            // A clone that is not a thread may share memory (CLONE_VM):
+            // treat it like vfork, never touch the shared code.
+            _ => Child::Shared { parent: pid },
+        };
+        match (self.early.remove(&child), stopped) {
+            (Some(_), false) => self.adopt(child, kind),
+            (Some(_), true) => self.adopt_stopped(child, kind),
+            (None, _) => {
+                self.announced.insert(child, kind);
+                Ok(())
+            }
+        }
+    }
+
+    /// The first stop of an announced child.
+    fn adopt(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
+        match child {
+            Child::Thread { pid } => {
+                self.add_thread(tid, pid);
+                self.resume(tid, 0)
+            }
+            Child::Fork { parent } => {
+                // It inherited the int3 bytes: put the originals back in its
+                // copy of memory and let it go.
+                if let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) {
+                    if let Err(err) = space.restore_into(tid) {
+                        self.stats
+                            .warnings
+                            .push(format!("restoring code in child {tid}: {err}"));
+                    }
+                }
+                match ptrace::detach(tid, 0) {
+                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+                    other => Ok(other?),
+                }
+            }
+            Child::Shared { parent } => {
+                self.processes.insert(
+                    tid,
+                    Process {
+                        role: Role::Shares { parent },
+                        space: None,
+                    },
+                );
+                self.threads.insert(
+                    tid,
+                    Thread {
+                        pid: tid,
+                        in_call: None,
+                        stack: None,
+                        start_ns: self.now_ns(),
+                    },
+                );
+                self.resume(tid, 0)
+            }
+        }
+    }
+
+    fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
+        let pid = self.threads[&tid].pid;
+        // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
+        // under ptrace"); the exec'ing thread now has the leader's tid.
+        let gone: Vec<Tid> = self
+            .threads
+            .iter()
+            .filter(|(t, th)| th.pid == pid && **t != tid)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in gone {
+            self.threads.remove(&t);
+            if let Some(lu) = self.libunwind.as_mut() {
+                lu.forget_thread(t);
+            }
+        }
+        if let Some(thread) = self.threads.get_mut(&tid) {
+            thread.in_call = None;
+            thread.stack = None;
+        }
+        let role = self.processes.get(&pid).map(|p| p.role);
+        match role {
+            Some(Role::Shares { .. }) => {
+                // A vfork child now has its own, clean, address space.
+                self.processes.remove(&pid);
+                self.threads.remove(&tid);
+                return match ptrace::detach(tid, 0) {
+                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+                    other => Ok(other?),
+                };
+            }
+            Some(Role::Traced) => {
+                self.forget_images(pid);
+                self.ledger.forget_process(pid as u32);
+                self.aliases.retain(|(p, _), _| *p != pid);
+            }
+            _ => {}
+        }
+        let space = Space::new(pid)?;
+        let process = self.processes.entry(pid).or_insert(Process {
+            role: Role::Traced,
+            space: None,
+        });
+        process.role = Role::Traced;
+        process.space = Some(space);
+        self.send_thread(tid, None);
+        let signals = self.refresh_images(pid, tid)?;
+        self.resume_with(tid, signals)
+    }
+
+    /// Resume a thread delivering the first signal now and queueing the rest.
+    fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
+        let pid = self.threads.get(&tid).map_or(tid, |t| t.pid);
+        for &sig in signals.iter().skip(1) {
+            let _ = ptrace::tgkill(pid, tid, sig);
+        }
+        self.resume(tid, signals.first().copied().unwrap_or(0))
+    }
+
+    /// Re-read the process's images, hook new ones and tell the pipeline.
+    /// Returns signals that arrived while system calls were injected.
+    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
+        let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+            return Ok(Vec::new());
+        };
+        let changes = space.refresh(tid, &mut self.next_module_id)?;
+        let hooked = space.breakpoints.len() as u64;
+        let Changes {
+            added,
+            removed,
+            signals,
+            warnings,
+        } = changes;
+        let now = self.now_ns();
+        for module in removed {
+            self.send(TraceMsg::ImageGone {
+                pid: pid as u32,
+                module_id: module.id,
+                range: module.range.clone(),
+                ts_ns: now,
+            });
+            if let Some(lu) = self.libunwind.as_mut() {
+                crate::unwind::Unwinder::remove_image(lu, module.range);
+            }
+        }
+        for module in added {
+            self.stats.images += 1;
+            let mapped = MappedImage {
+                module_id: module.id,
+                image: module.image.clone(),
+                bias: module.bias,
+                range: module.range.clone(),
+                is_main: module.is_main,
+            };
+            if let Some(lu) = self.libunwind.as_mut() {
+                crate::unwind::Unwinder::add_image(lu, &mapped);
+            }
+            let record = crate::sink::ModuleRecord {
+                id: module.id,
+                pid: pid as u32,
+                path: module.path.clone(),
+                build_id: module.image.build_id.clone(),
+                start: module.range.start,
+                end: module.range.end,
+                base: module.bias.0,
+                loaded_ns: now,
+            };
+            self.send(TraceMsg::Image {
+                pid: pid as u32,
+                mapped,
+                record,
+            });
+        }
+        self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
+        self.stats.warnings.extend(warnings);
+        Ok(signals)
+    }
+
+    fn forget_images(&mut self, pid: Tid) {
+        let Some(space) = self.processes.get(&pid).and_then(|p| p.space.as_ref()) else {
+            return;
+        };
+        let now = self.now_ns();
+        let gone: Vec<TraceMsg> = space
+            .modules
+            .values()
+            .map(|m| TraceMsg::ImageGone {
+                pid: pid as u32,
+                module_id: m.id,
+                range: m.range.clone(),
+                ts_ns: now,
+            })
+            .collect();
+        self.batch.extend(gone);
+    }
+
+    fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        let Some(thread) = self.threads.remove(&tid) else {
+            return Ok(());
+        };
+        if let Some(lu) = self.libunwind.as_mut() {
+            lu.forget_thread(tid);
+        }
+        if thread.in_call.is_some() {
+            self.stats.lost_returns += 1;
+        }
+        if tid != thread.pid {
+            return Ok(());
+        }
+        // The leader's exit is reported last: the whole process is gone.
+        let process = self.processes.remove(&tid);
+        self.threads.retain(|_, t| t.pid != tid);
+        if let Some(process) = process {
+            if matches!(process.role, Role::Traced | Role::Prelaunch) {
+                self.send(TraceMsg::ProcessGone { pid: tid as u32 });
+                self.ledger.forget_process(tid as u32);
+            }
+            if let Some(space) = process.space {
+                self.release_sharers(tid, space)?;
+            }
+        }
+        if tid == self.root {
+            self.ending = Some(match stop {
+                Stop::Killed { sig, core } => Ending::Killed { sig, core },
+                Stop::Exited(code) => Ending::Exited(code),
+                _ => Ending::Exited(0),
+            });
+        }
+        Ok(())
+    }
+
+    /// Children still running in the memory of a process that is gone (a
+    /// clone with CLONE_VM that outlived it) get the original code back
+    /// through the dead process's open /proc/PID/mem, which still holds the
+    /// shared memory, and are released.
+    fn release_sharers(&mut self, pid: Tid, mut space: Space) -> Result<(), TraceError> {
+        let sharers: Vec<Tid> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.role == Role::Shares { parent: pid })
+            .map(|(child, _)| *child)
+            .collect();
+        if sharers.is_empty() {
+            return Ok(());
+        }
+        if let Err(err) = space.restore_all() {
+            self.stats
+                .warnings
+                .push(format!("restoring code shared with {sharers:?}: {err}"));
+        }
+        for child in sharers {
+            self.processes.remove(&child);
+            let tids: Vec<Tid> = self
+                .threads
+                .iter()
+                .filter(|(_, t)| t.pid == child)
+                .map(|(t, _)| *t)
+                .collect();
+            for t in tids {
+                self.threads.remove(&t);
+                // It is running: PTRACE_DETACH needs a stop first.
+                detach::detach_running(t);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn is_stopping_signal(sig: i32) -> bool {
+    matches!(
+        sig,
+        libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU
+    )
+}
+
+/// "SIGTERM" for 15, and so on.
+pub fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+impl Progress {
+    fn update(&self, ledger: &Ledger) {
+        self.events.store(ledger.events(), Ordering::Relaxed);
+        self.live_bytes
+            .store(ledger.live_bytes(), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,400 @@
+//! One address space of the target: its ELF images, the breakpoints planted in
+//! them and the trampoline areas that serve those breakpoints.
+//!
+//! Planting and restoring are the only two ways code changes: a breakpoint
+//! remembers the byte it covers, and every byte written is put back by
+//! [`Space::restore_all`] (detach) or [`Space::restore_into`] (a forked child
+//! that is not traced). Trampoline pages are new mappings, not changed bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::inject;
+use super::trampoline::{self, AREA_SIZE, FIRST_SLOT, SLOT_SIZE};
+use crate::addr::LoadBias;
+use crate::event::Op;
+use crate::os::mem::CodeWriter;
+use crate::os::procfs::{self, Mapping};
+use crate::os::ptrace::Tid;
+use crate::symbols::elf::ElfImage;
+
+const INT3: u8 = 0xcc;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BreakpointKind {
+    /// Entry of an allocator function; `ops` as in [`crate::symbols::elf::AllocatorEntry`].
+    Allocator { module_id: u64, ops: Vec<Op> },
+    /// The dynamic linker's `_dl_debug_state`: images were mapped or unmapped.
+    DebugState,
+}
+
+#[derive(Clone, Debug)]
+pub struct Breakpoint {
+    pub addr: u64,
+    /// The byte the int3 replaced.
+    pub orig: u8,
+    /// Where a thread stopped here resumes: the displaced instruction's slot.
+    pub resume_at: u64,
+    pub kind: BreakpointKind,
+}
+
+/// An ELF image mapped in this space.
+#[derive(Clone, Debug)]
+pub struct LoadedModule {
+    pub id: u64,
+    pub path: String,
+    pub inode: u64,
+    pub range: Range<u64>,
+    pub bias: LoadBias,
+    pub image: Arc<ElfImage>,
+    pub is_main: bool,
+}
+
+struct Area {
+    start: u64,
+    next: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpaceError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("no room for a trampoline page within reach of {0}")]
+    NoRoom(String),
+    #[error("{path}: {source}")]
+    Relocate {
+        path: String,
+        source: trampoline::RelocateError,
+    },
+    #[error("cannot map a trampoline page: {0}")]
+    Inject(#[from] inject::InjectError),
+}
+
+/// What a refresh of the image list found.
+#[derive(Default)]
+pub struct Changes {
+    pub added: Vec<LoadedModule>,
+    pub removed: Vec<LoadedModule>,
+    /// Signals that arrived while a system call was injected; deliver them.
+    pub signals: Vec<i32>,
+    /// Problems with single images (unreadable file, unrelocatable entry);
+    /// the trace goes on without them.
+    pub warnings: Vec<String>,
+}
+
+pub struct Space {
+    pub pid: Tid,
+    mem: CodeWriter,
+    pub breakpoints: HashMap<u64, Breakpoint>,
+    areas: Vec<Area>,
+    /// The int3 that redirected returns come back to.
+    pub ret_tramp: Option<u64>,
+    /// Mapped images by start address.
+    pub modules: BTreeMap<u64, LoadedModule>,
+    exe: Option<String>,
+}
+
+impl Space {
+    pub fn new(pid: Tid) -> io::Result<Space> {
+        Ok(Space {
+            pid,
+            mem: CodeWriter::open(pid)?,
+            breakpoints: HashMap::new(),
+            areas: Vec::new(),
+            ret_tramp: None,
+            modules: BTreeMap::new(),
+            exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
+        })
+    }
+
+    pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
+        let (_, m) = self.modules.range(..=addr).next_back()?;
+        m.range.contains(&addr).then_some(m)
+    }
+
+    /// Re-read the memory map; hook images that appeared, forget those gone.
+    /// `tid` is a stopped thread of this space, used to map trampoline pages.
+    pub fn refresh(&mut self, tid: Tid, next_id: &mut u64) -> io::Result<Changes> {
+        let maps = procfs::read_maps(self.pid)?;
+        let found = image_mappings(&maps);
+        let mut changes = Changes::default();
+
+        let gone: Vec<u64> = self
+            .modules
+            .values()
+            .filter(|m| {
+                !found
+                    .iter()
+                    .any(|f| f.start == m.range.start && f.inode == m.inode)
+            })
+            .map(|m| m.range.start)
+            .collect();
+        for start in gone {
+            if let Some(module) = self.modules.remove(&start) {
+                self.breakpoints
+                    .retain(|&addr, _| !module.range.contains(&addr));
+                changes.removed.push(module);
+            }
+        }
+
+        for f in found {
+            if self
+                .modules
+                .get(&f.start)
+                .is_some_and(|m| m.inode == f.inode)
+            {
+                continue;
+            }
+            let image = match load_image(self.pid, &f) {
+                Ok(image) => image,
+                Err(err) => {
+                    changes.warnings.push(format!("{}: {err}", f.path));
+                    continue;
+                }
+            };
+            let Some(bias) = image.load_bias(f.start, 0) else {
+                continue;
+            };
+            *next_id += 1;
+            let module = LoadedModule {
+                id: *next_id,
+                path: f.path.clone(),
+                inode: f.inode,
+                range: f.start..f.end.max(image.avma_range(bias).end),
+                bias,
+                is_main: self.exe.as_deref() == Some(f.path.as_str()),
+                image: Arc::new(image),
+            };
+            // Inserted before hooking: its `syscall` bytes may be the only ones
+            // there are to map a trampoline page with (a static executable).
+            self.modules.insert(module.range.start, module.clone());
+            if let Err(err) = self.hook(tid, &module, &maps, &mut changes.signals) {
+                changes.warnings.push(format!("{}: {err}", module.path));
+            }
+            changes.added.push(module);
+        }
+        Ok(changes)
+    }
+
+    fn hook(
+        &mut self,
+        tid: Tid,
+        module: &LoadedModule,
+        maps: &[Mapping],
+        signals: &mut Vec<i32>,
+    ) -> Result<(), SpaceError> {
+        let mut targets: Vec<(u64, BreakpointKind)> = module
+            .image
+            .allocator_avmas(module.bias)
+            .map(|(avma, entry)| {
+                (
+                    avma.0,
+                    BreakpointKind::Allocator {
+                        module_id: module.id,
+                        ops: entry.ops.clone(),
+                    },
+                )
+            })
+            .collect();
+        if let Some(svma) = module.image.debug_state {
+            targets.push((module.bias.to_avma(svma).0, BreakpointKind::DebugState));
+        }
+        for (addr, kind) in targets {
+            if self.breakpoints.contains_key(&addr) {
+                continue;
+            }
+            self.plant(tid, module, maps, addr, kind, signals)?;
+        }
+        Ok(())
+    }
+
+    fn plant(
+        &mut self,
+        tid: Tid,
+        module: &LoadedModule,
+        maps: &[Mapping],
+        addr: u64,
+        kind: BreakpointKind,
+        signals: &mut Vec<i32>,
+    ) -> Result<(), SpaceError> {
+        let mut code = [0u8; 16];
+        self.mem.read(addr, &mut code)?;
+        if code[0] == INT3 {
+            // Someone else's breakpoint (or a function that starts with int3):
+            // displacing it would change what the program does.
+            return Ok(());
+        }
+        let slot = self.slot_for(tid, module, maps, signals)?;
+        let (bytes, _len) =
+            trampoline::displaced(&code, addr, slot).map_err(|source| SpaceError::Relocate {
+                path: module.path.clone(),
+                source,
+            })?;
+        // The slot first, then the int3: a thread never reaches an int3 whose
+        // slot is not ready.
+        self.mem.write(slot, &bytes)?;
+        self.mem.write(addr, &[INT3])?;
+        self.breakpoints.insert(
+            addr,
+            Breakpoint {
+                addr,
+                orig: code[0],
+                resume_at: slot,
+                kind,
+            },
+        );
+        Ok(())
+    }
+
+    /// A free slot in an area within reach of `module`, mapping a new area
+    /// next to it when none is.
+    fn slot_for(
+        &mut self,
+        tid: Tid,
+        module: &LoadedModule,
+        maps: &[Mapping],
+        signals: &mut Vec<i32>,
+    ) -> Result<u64, SpaceError> {
+        if let Some(area) = self.areas.iter_mut().find(|a| {
+            a.next + SLOT_SIZE <= a.start + AREA_SIZE && trampoline::reaches(a.start, &module.range)
+        }) {
+            let slot = area.next;
+            area.next += SLOT_SIZE;
+            return Ok(slot);
+        }
+        let insn = self.syscall_insn().ok_or_else(|| {
+            SpaceError::NoRoom("no syscall instruction to map a page with".into())
+        })?;
+        let candidates =
+            trampoline::place_area(maps, &module.range, procfs::mmap_min_addr(), module.is_main);
+        for addr in candidates {
+            match inject::map_code(tid, insn, addr, AREA_SIZE) {
+                Ok(done) => {
+                    signals.extend(done.signals);
+                    if done.value != addr {
+                        continue;
+                    }
+                    if self.ret_tramp.is_none() {
+                        self.mem.write(addr, &[INT3])?;
+                        self.ret_tramp = Some(addr);
+                    }
+                    self.areas.push(Area {
+                        start: addr,
+                        next: addr + FIRST_SLOT + SLOT_SIZE,
+                    });
+                    return Ok(addr + FIRST_SLOT);
+                }
+                Err(inject::InjectError::Errno(libc::EEXIST)) => continue,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Err(SpaceError::NoRoom(module.path.clone()))
+    }
+
+    fn syscall_insn(&self) -> Option<u64> {
+        self.modules
+            .values()
+            .find_map(|m| m.image.syscall_insn.map(|s| m.bias.to_avma(s).0))
+    }
+
+    /// Put every original byte back (before detaching).
+    pub fn restore_all(&mut self) -> io::Result<()> {
+        for bp in self.breakpoints.values() {
+            self.mem.write(bp.addr, &[bp.orig])?;
+        }
+        self.breakpoints.clear();
+        Ok(())
+    }
+
+    /// Put every original byte back in another process that has a copy of this
+    /// space (a forked child).
+    pub fn restore_into(&self, pid: Tid) -> io::Result<()> {
+        let child = CodeWriter::open(pid)?;
+        for bp in self.breakpoints.values() {
+            child.write(bp.addr, &[bp.orig])?;
+        }
+        Ok(())
+    }
+}
+
+/// A file mapped with some executable part: a candidate ELF image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ImageMapping {
+    path: String,
+    inode: u64,
+    /// Start of the mapping at file offset 0, and end of its last mapping.
+    start: u64,
+    end: u64,
+    /// End of the offset-0 mapping (for /proc/PID/map_files).
+    first_end: u64,
+}
+
+/// Group the file mappings of /proc/PID/maps into images: each mapping at
+/// offset 0 starts one, and later mappings of the same file extend it.
+fn image_mappings(maps: &[Mapping]) -> Vec<ImageMapping> {
+    let mut images: Vec<(ImageMapping, bool)> = Vec::new();
+    let mut current: HashMap<(u64, &str), usize> = HashMap::new();
+    for m in maps.iter().filter(|m| m.is_file()) {
+        let key = (m.inode, m.path.as_str());
+        if m.offset == 0 {
+            current.insert(key, images.len());
+            images.push((
+                ImageMapping {
+                    path: m.path.clone(),
+                    inode: m.inode,
+                    start: m.start,
+                    end: m.end,
+                    first_end: m.end,
+                },
+                m.exec,
+            ));
+        } else if let Some(&i) = current.get(&key) {
+            let (image, exec) = &mut images[i];
+            if m.start >= image.end {
+                image.end = m.end;
+                *exec |= m.exec;
+            }
+        }
+    }
+    images
+        .into_iter()
+        .filter(|(_, exec)| *exec)
+        .map(|(image, _)| image)
+        .collect()
+}
+
+/// Read and parse an image, through /proc/PID/map_files when possible (it
+/// works for deleted files and files in other mount namespaces).
+fn load_image(pid: Tid, f: &ImageMapping) -> io::Result<ElfImage> {
+    let bytes = std::fs::read(procfs::map_file(pid, f.start, f.first_end))
+        .or_else(|_| std::fs::read(f.path.trim_end_matches(" (deleted)")))?;
+    ElfImage::parse(&f.path, &bytes).map_err(io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_mappings_into_images() {
+        let text = "\
+555555554000-555555555000 r--p 00000000 fe:01 10 /usr/bin/prog
+555555555000-555555556000 r-xp 00001000 fe:01 10 /usr/bin/prog
+555555556000-555555557000 r--p 00002000 fe:01 10 /usr/bin/prog
+555555559000-55555557a000 rw-p 00000000 00:00 0 [heap]
+7ffff7d80000-7ffff7da8000 r--p 00000000 fe:01 20 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffff7da8000-7ffff7f3d000 r-xp 00028000 fe:01 20 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffff7f3d000-7ffff7f95000 r--p 001bd000 fe:01 20 /usr/lib/x86_64-linux-gnu/libc.so.6
+7ffff7fa0000-7ffff7fa4000 r--p 00000000 fe:01 30 /usr/lib/locale/C.utf8/LC_CTYPE
+";
+        let images = image_mappings(&procfs::parse_maps(text));
+        assert_eq!(images.len(), 2, "data-only files are not images");
+        assert_eq!(images[0].path, "/usr/bin/prog");
+        assert_eq!(images[0].start, 0x555555554000);
+        assert_eq!(images[0].end, 0x555555557000);
+        assert_eq!(images[1].first_end, 0x7ffff7da8000);
+        assert_eq!(images[1].end, 0x7ffff7f95000);
+    }
+}

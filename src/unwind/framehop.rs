@@ -1,0 +1,91 @@
+//! framehop over a stack copy: DWARF CFI from each image's .eh_frame (with or
+//! without .eh_frame_hdr, which `gcc -static` binaries lack: framehop indexes
+//! the FDEs itself), frame pointers where no CFI covers an address.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _};
+
+use super::{MappedImage, StackSample, Unwinder};
+
+pub struct FramehopUnwinder {
+    unwinder: UnwinderX86_64<Arc<[u8]>>,
+    cache: CacheX86_64,
+    /// Start of each image's range, to remove it by range.
+    starts: BTreeMap<u64, u64>,
+}
+
+impl Default for FramehopUnwinder {
+    fn default() -> Self {
+        FramehopUnwinder::new()
+    }
+}
+
+impl FramehopUnwinder {
+    pub fn new() -> FramehopUnwinder {
+        FramehopUnwinder {
+            unwinder: UnwinderX86_64::new(),
+            cache: CacheX86_64::new(),
+            starts: BTreeMap::new(),
+        }
+    }
+}
+
+impl Unwinder for FramehopUnwinder {
+    fn add_image(&mut self, mapped: &MappedImage) {
+        let image = &mapped.image;
+        let info = ExplicitModuleSectionInfo {
+            // ELF: SVMAs are relative to 0; avma = svma + bias.
+            base_svma: 0,
+            text_svma: image.text.clone(),
+            got_svma: image.got.clone(),
+            eh_frame_svma: image.eh_frame.as_ref().map(|s| s.svma.clone()),
+            eh_frame: image.eh_frame.as_ref().map(|s| s.data.clone()),
+            eh_frame_hdr_svma: image.eh_frame_hdr.as_ref().map(|s| s.svma.clone()),
+            eh_frame_hdr: image.eh_frame_hdr.as_ref().map(|s| s.data.clone()),
+            debug_frame: image.debug_frame.as_ref().map(|s| s.data.clone()),
+            ..Default::default()
+        };
+        let module = Module::new(
+            image.path.clone(),
+            mapped.range.clone(),
+            mapped.bias.0,
+            info,
+        );
+        self.unwinder.add_module(module);
+        self.starts.insert(mapped.range.start, mapped.range.end);
+    }
+
+    fn remove_image(&mut self, range: Range<u64>) {
+        if self.starts.remove(&range.start).is_some() {
+            self.unwinder.remove_module(range.start);
+        }
+    }
+
+    fn unwind(&mut self, _tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
+        if max == 0 || sample.ip == 0 {
+            return;
+        }
+        let mut regs = UnwindRegsX86_64::new(sample.ip, sample.sp, sample.bp);
+        let mut read = |addr: u64| sample.read_u64(addr).ok_or(());
+        let mut ip = sample.ip;
+        let mut taken = 0;
+        while taken < max {
+            out.push(ip);
+            taken += 1;
+            let Some(address) = FrameAddress::from_return_address(ip) else {
+                break;
+            };
+            match self
+                .unwinder
+                .unwind_frame(address, &mut regs, &mut self.cache, &mut read)
+            {
+                Ok(Some(next)) if next != 0 => ip = next,
+                _ => break,
+            }
+        }
+    }
+}
