@@ -312,7 +312,9 @@ fn preference(op: Op) -> usize {
     ORDER.iter().position(|o| *o == op).unwrap_or(ORDER.len())
 }
 
-fn build_id(elf: &Elf, bytes: &[u8]) -> Option<String> {
+/// The GNU build-id note (program headers first, then sections), as
+/// lowercase hex.
+pub(crate) fn build_id(elf: &Elf, bytes: &[u8]) -> Option<String> {
     let notes = elf
         .iter_note_headers(bytes)
         .into_iter()
