@@ -55,30 +55,30 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
 
     // Signals first, threads after: the threads inherit the blocked mask.
     signals::install()?;
+    let child = match launch::spawn(&program, &args) {
+        Ok(child) => child,
+        Err(err) => {
+            drop(sink);
+            discard(&config.output);
+            return Err(if err.raw_os_error() == Some(libc::EPERM) {
+                Error::PtraceDenied(err)
+            } else {
+                Error::Exec {
+                    path: program,
+                    source: err,
+                }
+            });
+        }
+    };
     let recorder = Recorder::spawn(Box::new(sink));
     let records = recorder.sender();
+    records.send(vec![meta_record("pid", child.pid.to_string())])?;
     let pipeline = PipelineHandle::spawn(
         records.clone(),
         config.stacks && config.unwinder == UnwinderKind::Framehop,
         config.stacks,
         config.max_depth,
     );
-
-    let child = match launch::spawn(&program, &args) {
-        Ok(child) => child,
-        Err(err) if err.raw_os_error() == Some(libc::EPERM) => {
-            abandon(recorder, pipeline, &config.output);
-            return Err(Error::PtraceDenied(err));
-        }
-        Err(err) => {
-            abandon(recorder, pipeline, &config.output);
-            return Err(Error::Exec {
-                path: program,
-                source: err,
-            });
-        }
-    };
-    records.send(vec![meta_record("pid", child.pid.to_string())])?;
 
     let progress = Arc::new(Progress::default());
     let line = ProgressLine::start(progress.clone());
@@ -96,12 +96,12 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
 
     if ending == Ending::Exited(127) {
         if let Some(err) = child.exec_error() {
+            // The program never ran: no trace of it is worth keeping. Every
+            // sender goes before the recorder, which waits for them all.
             drop(pipeline);
-            abandon(
-                recorder,
-                PipelineHandle::spawn(records, false, false, 1),
-                &config.output,
-            );
+            drop(records);
+            drop(recorder);
+            discard(&config.output);
             return Err(Error::Exec {
                 path: program,
                 source: err,
@@ -110,16 +110,6 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
     }
 
     let result = pipeline.finish()?;
-    if std::env::var_os("MEMPTRACE_DEBUG").is_some() {
-        eprintln!(
-            "DEBUG events={} frames={} nodes={} hk={} stats={:?}",
-            result.events,
-            result.frames.len(),
-            result.stack_nodes,
-            result.housekeeping_frees,
-            stats
-        );
-    }
     symbolize(&result, &records)?;
 
     let status = exit_status(&ending);
@@ -191,12 +181,10 @@ fn create_output(path: &Path, force: bool) -> Result<SqliteSink, Error> {
     })
 }
 
-/// The program could not be started: close everything and remove the
-/// database, which holds nothing but the start of a run that never was.
-fn abandon(recorder: Recorder, pipeline: PipelineHandle, output: &Path) {
-    drop(pipeline);
-    drop(recorder);
-    for suffix in ["", "-wal", "-shm"] {
+/// The program could not be started: remove the database, which holds
+/// nothing but the start of a run that never was. Call after closing it.
+fn discard(output: &Path) {
+    for suffix in ["", "-wal", "-shm", "-journal"] {
         let mut file = output.as_os_str().to_owned();
         file.push(suffix);
         let _ = std::fs::remove_file(file);
