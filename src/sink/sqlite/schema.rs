@@ -1,0 +1,261 @@
+//! The trace database's schema: tables written during the trace and the views
+//! people query. The views are the public interface (`docs/schema.md`); the
+//! compact `event_log` table under `events` is an encoding that may change
+//! with the schema version.
+//!
+//! Every view must work on a database that was never finished (memptrace was
+//! killed): views may use indexes created here; what `finish` writes
+//! (`open_blocks`) may only make them faster. The schema's SQL uses nothing
+//! newer than SQLite 3.9 (recursive CTEs, view column lists; no `->>`, no
+//! ORDER BY inside aggregates), because whatever `sqlite3` a user has must be
+//! able to parse it, or it cannot open the file at all.
+
+use crate::event::Op;
+
+/// `PRAGMA user_version` of databases written with this schema.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// `PRAGMA application_id`: "MPTR", so `file(1)` and tools can tell a trace.
+pub const APPLICATION_ID: i64 = 0x4d50_5452;
+
+/// Tables. Created in one transaction with the views, before any record.
+const TABLES: &str = "
+CREATE TABLE meta(
+    key TEXT PRIMARY KEY,
+    value TEXT
+);
+CREATE TABLE threads(
+    tid INTEGER PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    name TEXT,
+    start_ns INTEGER,
+    end_ns INTEGER
+);
+CREATE TABLE modules(
+    id INTEGER PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    build_id TEXT,
+    start INTEGER NOT NULL,
+    \"end\" INTEGER NOT NULL,
+    base INTEGER NOT NULL,
+    loaded_ns INTEGER,
+    unloaded_ns INTEGER
+);
+CREATE TABLE frames(
+    id INTEGER PRIMARY KEY,
+    ip INTEGER NOT NULL,
+    module_id INTEGER,
+    function TEXT,
+    file TEXT,
+    line INTEGER
+);
+CREATE TABLE frame_lines(
+    frame_id INTEGER NOT NULL,
+    idx INTEGER NOT NULL,
+    function TEXT,
+    file TEXT,
+    line INTEGER,
+    PRIMARY KEY (frame_id, idx)
+) WITHOUT ROWID;
+CREATE TABLE stacks(
+    id INTEGER PRIMARY KEY,
+    parent_id INTEGER,
+    frame_id INTEGER NOT NULL,
+    depth INTEGER NOT NULL
+);
+-- stack_text walks the trie from the roots down: without this index each
+-- step would scan the table. Stack nodes are few next to events, so it is
+-- kept up to date from the start rather than built at the end.
+CREATE INDEX stacks_parent ON stacks(parent_id);
+CREATE TABLE ops(
+    code INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE
+);
+CREATE TABLE event_threads(
+    code INTEGER PRIMARY KEY,
+    pid INTEGER NOT NULL,
+    tid INTEGER NOT NULL
+);
+-- Written once by a clean finish, in one transaction: the allocations no
+-- release named, and one row saying so. Until then `leaks` searches itself.
+CREATE TABLE open_blocks(
+    alloc_id INTEGER PRIMARY KEY
+);
+CREATE TABLE trace_finished(
+    open_blocks INTEGER NOT NULL
+);
+-- One row per allocator call, in as few bytes as SQLite can store it: see
+-- docs/schema.md, \"How events are stored\". The columns most often NULL come
+-- last (an SQLite built with SQLITE_ENABLE_NULL_TRIM leaves them out).
+CREATE TABLE event_log(
+    id INTEGER PRIMARY KEY,
+    ts_ns INTEGER,
+    kind INTEGER,
+    stack_id INTEGER,
+    ptr INTEGER,
+    size INTEGER,
+    alloc_dist INTEGER,
+    arg INTEGER
+);
+";
+
+/// The name of the module-relative address of frame `f` in module `m`
+/// (`libc.so.6+0x2a1c9`), or its absolute address (`0x7f12...`) without one.
+const ADDRESS: &str = "CASE WHEN m.id IS NULL THEN printf('0x%x', f.ip) \
+     ELSE substr(m.path, length(rtrim(m.path, replace(m.path, '/', ''))) + 1) \
+          || printf('+0x%x', f.ip - m.base) END";
+
+/// ` (file:line)`, ` (file)` or nothing, for a row `x` with file and line.
+fn location(x: &str) -> String {
+    format!(
+        "CASE WHEN {x}.file IS NULL THEN '' \
+              WHEN {x}.line IS NULL THEN ' (' || {x}.file || ')' \
+              ELSE ' (' || {x}.file || ':' || {x}.line || ')' END"
+    )
+}
+
+/// `name` of the op of `event_log` row `x`, as a CASE (cheaper than a join,
+/// and computed only when the column is used).
+fn op_name(x: &str) -> String {
+    let arms: Vec<String> = Op::ALL
+        .iter()
+        .map(|&op| format!("WHEN {} THEN '{}'", op as u8, op.name()))
+        .collect();
+    format!("CASE {x}.kind & 15 {} END", arms.join(" "))
+}
+
+/// `column` (pid or tid) of the thread of `event_log` row `x`.
+fn thread(x: &str, column: &str) -> String {
+    format!("(SELECT {column} FROM event_threads WHERE code = {x}.kind >> 4)")
+}
+
+/// The block released by `event_log` row `x`, when `x.alloc_dist` names the
+/// event that allocated it.
+fn released_ptr(x: &str) -> String {
+    format!("(SELECT ptr FROM event_log WHERE id = {x}.id - {x}.alloc_dist)")
+}
+
+/// True for an allocation `a` (an event that returned a block) that no
+/// release names. The one definition of a leak: the `leaks` view uses it
+/// until `finish` has stored its result in `open_blocks`.
+pub fn unreleased(a: &str) -> String {
+    format!(
+        "{a}.kind & 15 <> {free} AND {a}.ptr <> 0 \
+         AND {a}.id NOT IN (SELECT r.id - r.alloc_dist FROM event_log r \
+                            WHERE r.alloc_dist IS NOT NULL)",
+        free = Op::Free as u8
+    )
+}
+
+/// Views: the user's contract, over the tables above. Columns come from
+/// scalar subqueries and CASEs rather than joins where they can, so a query
+/// pays only for the columns it uses.
+fn views() -> String {
+    let realloc = format!("IN ({}, {})", Op::Realloc as u8, Op::Reallocarray as u8);
+    let free = Op::Free as u8;
+    let leak_columns = format!(
+        "a.ptr AS ptr, a.size AS size, {tid} AS tid, {pid} AS pid, {op} AS op,
+         a.id AS alloc_id, a.ts_ns AS alloc_ns, NULL AS free_ns, NULL AS free_op,
+         NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
+         NULL AS free_tid",
+        tid = thread("a", "tid"),
+        pid = thread("a", "pid"),
+        op = op_name("a"),
+    );
+    let unreleased = unreleased("a");
+    let line_loc = location("l");
+    let frame_loc = location("f");
+    format!(
+        "
+CREATE VIEW events AS
+SELECT e.id AS id,
+       e.ts_ns AS ts_ns,
+       {pid_e} AS pid,
+       {tid_e} AS tid,
+       {op_e} AS op,
+       coalesce(e.ptr, {released_e}) AS ptr,
+       e.size AS size,
+       CASE WHEN e.kind & 15 {realloc} THEN coalesce(e.arg, {released_e}) END AS old_ptr,
+       CASE WHEN e.kind & 15 NOT {realloc} THEN e.arg END AS align,
+       e.id - e.alloc_dist AS alloc_id,
+       e.stack_id AS stack_id
+FROM event_log e;
+
+CREATE VIEW leaks AS
+SELECT {leak_columns}
+FROM open_blocks b JOIN event_log a ON a.id = b.alloc_id
+WHERE EXISTS (SELECT 1 FROM trace_finished)
+UNION ALL
+SELECT {leak_columns}
+FROM event_log a
+WHERE NOT EXISTS (SELECT 1 FROM trace_finished) AND {unreleased};
+
+CREATE VIEW allocations AS
+SELECT coalesce(a.ptr, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
+       a.size AS size,
+       {tid_a} AS tid,
+       {pid_a} AS pid,
+       {op_a} AS op,
+       a.id AS alloc_id,
+       a.ts_ns AS alloc_ns,
+       r.ts_ns AS free_ns,
+       {op_r} AS free_op,
+       r.id AS free_id,
+       a.stack_id AS alloc_stack_id,
+       r.stack_id AS free_stack_id,
+       {tid_r} AS free_tid
+FROM event_log r
+LEFT JOIN event_log a ON a.id = r.id - r.alloc_dist
+WHERE r.alloc_dist IS NOT NULL
+   OR (r.kind & 15 = {free} AND r.ptr <> 0)
+   OR (r.kind & 15 {realloc} AND r.arg <> 0 AND (r.ptr <> 0 OR r.size = 0))
+UNION ALL
+SELECT * FROM leaks;
+
+CREATE VIEW frame_text(frame_id, text) AS
+SELECT f.id,
+       coalesce(
+         (SELECT group_concat(x.text, char(10)) FROM (
+            SELECT coalesce(l.function, {ADDRESS}) || {line_loc} AS text
+            FROM frame_lines l WHERE l.frame_id = f.id ORDER BY l.idx) x),
+         coalesce(f.function, {ADDRESS}) || {frame_loc})
+FROM frames f
+LEFT JOIN modules m ON m.id = f.module_id;
+
+CREATE VIEW stack_text(stack_id, text) AS
+WITH RECURSIVE walk(id, text) AS (
+    SELECT s.id, coalesce((SELECT text FROM frame_text WHERE frame_id = s.frame_id), '??')
+    FROM stacks s WHERE s.parent_id IS NULL
+    UNION ALL
+    SELECT s.id, coalesce((SELECT text FROM frame_text WHERE frame_id = s.frame_id), '??')
+                 || char(10) || w.text
+    FROM walk w JOIN stacks s ON s.parent_id = w.id
+)
+SELECT id, text FROM walk;
+",
+        pid_e = thread("e", "pid"),
+        tid_e = thread("e", "tid"),
+        op_e = op_name("e"),
+        released_e = released_ptr("e"),
+        tid_a = thread("a", "tid"),
+        pid_a = thread("a", "pid"),
+        op_a = op_name("a"),
+        op_r = op_name("r"),
+        tid_r = thread("r", "tid"),
+    )
+}
+
+/// The whole schema, for one `execute_batch`, followed by the `ops` rows.
+pub fn ddl() -> String {
+    let mut sql = String::from(TABLES);
+    sql.push_str(&views());
+    for op in Op::ALL {
+        sql.push_str(&format!(
+            "INSERT INTO ops(code, name) VALUES ({}, '{}');\n",
+            op as u8,
+            op.name()
+        ));
+    }
+    sql
+}

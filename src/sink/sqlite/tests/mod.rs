@@ -1,0 +1,102 @@
+//! The database contract, checked through the views with plain SQL, the way
+//! users see it: tables and the trace's life in `tables`, events and the
+//! views over them in `events`.
+
+mod events;
+mod tables;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use rusqlite::Connection;
+
+use super::SqliteSink;
+use crate::event::{Event, Op};
+use crate::sink::{EventSink, Record};
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "memptrace-sqlite-{}-{}-{name}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating a temp dir");
+        TempDir(dir)
+    }
+
+    fn db(&self) -> PathBuf {
+        self.0.join("trace.db")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn write_all(sink: &mut SqliteSink, records: &[Record]) {
+    for record in records {
+        sink.write(record).expect("writing a record");
+    }
+}
+
+fn read(path: &Path) -> Connection {
+    Connection::open(path).expect("opening the trace for reading")
+}
+
+fn query_i64(conn: &Connection, sql: &str) -> i64 {
+    conn.query_row(sql, [], |row| row.get(0)).expect(sql)
+}
+
+fn event(id: u64, op: Op, ptr: u64) -> Event {
+    Event {
+        id,
+        ts_ns: id.saturating_mul(1000),
+        pid: 100,
+        tid: 100,
+        op,
+        ptr,
+        size: None,
+        old_ptr: None,
+        align: None,
+        alloc_id: None,
+        stack_id: None,
+    }
+}
+
+fn malloc(id: u64, ptr: u64, size: u64) -> Record {
+    Record::Event(Event {
+        size: Some(size),
+        ..event(id, Op::Malloc, ptr)
+    })
+}
+
+fn free(id: u64, ptr: u64, alloc_id: Option<u64>) -> Record {
+    Record::Event(Event {
+        alloc_id,
+        ..event(id, Op::Free, ptr)
+    })
+}
+
+fn realloc(id: u64, old: u64, size: u64, ptr: u64, alloc_id: Option<u64>) -> Record {
+    Record::Event(Event {
+        old_ptr: Some(old),
+        size: Some(size),
+        alloc_id,
+        ..event(id, Op::Realloc, ptr)
+    })
+}
+
+fn meta(key: &str, value: &str) -> Record {
+    Record::Meta {
+        key: key.into(),
+        value: value.into(),
+    }
+}
