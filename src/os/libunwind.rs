@@ -6,12 +6,15 @@
 //!    return address, rsp just above it): at a function's first instruction that
 //!    state is exact, and the allocator's own code then needs no unwind info.
 //!    Register writes are refused, so libunwind can never change the target.
-//! 2. libunwind finds unwind tables only through PT_GNU_EH_FRAME
-//!    (.eh_frame_hdr), which `gcc -static` executables lack. For such images the
-//!    caller registers a [`CfiTable`] built from .eh_frame; `find_proc_info`
-//!    searches it with libunwind's own `dwarf_search_unwind_table`, and
-//!    `access_mem` serves the table's words from memptrace's memory at an
-//!    address no process can map.
+//! 2. libunwind-ptrace finds unwind tables only through PT_GNU_EH_FRAME
+//!    (.eh_frame_hdr), which `gcc -static` executables lack, and its
+//!    `_UPT_find_proc_info` calls the address space's accessors back with *its*
+//!    state as their argument, not ours. So memptrace registers a [`CfiTable`]
+//!    built from .eh_frame for every image; `find_proc_info` searches those with
+//!    libunwind's own `dwarf_search_unwind_table`, and `access_mem` serves the
+//!    table's words from memptrace's memory at an address no process can map.
+//!    The list of dynamically registered unwind info (`_U_dyn_info_list`, for
+//!    JITs that register with libunwind) is not consulted.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -85,13 +88,6 @@ struct Accessors {
 }
 
 unsafe extern "C" {
-    fn _UPT_find_proc_info(
-        asp: unw_addr_space_t,
-        ip: unw_word_t,
-        pi: *mut unw_proc_info_t,
-        need_unwind_info: c_int,
-        arg: *mut c_void,
-    ) -> c_int;
     fn _UPT_access_mem(
         asp: unw_addr_space_t,
         addr: unw_word_t,
@@ -146,6 +142,7 @@ impl Libunwind {
         // SAFETY: unw_accessors_t and Accessors have the same C layout.
         let mut accessors: Accessors = unsafe { std::mem::transmute_copy(upt) };
         accessors.find_proc_info = find_proc_info as *const c_void;
+        accessors.get_dyn_info_list_addr = get_dyn_info_list_addr as *const c_void;
         accessors.access_mem = access_mem as *const c_void;
         accessors.access_reg = access_reg as *const c_void;
         accessors.get_proc_name = get_proc_name as *const c_void;
@@ -279,8 +276,15 @@ unsafe extern "C" fn find_proc_info(
         // SAFETY: forwarding libunwind's own pointers with a valid DynInfo.
         return unsafe { dwarf_search_unwind_table(asp, ip, &mut di, pi, need_unwind_info, arg) };
     }
-    // SAFETY: forwarding to libunwind-ptrace with its own state.
-    unsafe { _UPT_find_proc_info(asp, ip, pi, need_unwind_info, ctx.upt) }
+    -unwind_sys::UNW_ENOINFO
+}
+
+unsafe extern "C" fn get_dyn_info_list_addr(
+    _asp: unw_addr_space_t,
+    _addr: *mut unw_word_t,
+    _arg: *mut c_void,
+) -> c_int {
+    -unwind_sys::UNW_ENOINFO
 }
 
 unsafe extern "C" fn access_mem(

@@ -29,11 +29,10 @@ impl LibunwindUnwinder {
 
 impl Unwinder for LibunwindUnwinder {
     fn add_image(&mut self, mapped: &MappedImage) {
-        // libunwind finds images with .eh_frame_hdr by itself.
-        if mapped.image.eh_frame_hdr.is_none() {
-            if let Some(table) = cfi_table(mapped) {
-                self.inner.add_table(table);
-            }
+        // Every image, .eh_frame_hdr or not: see os::libunwind on why
+        // libunwind-ptrace's own lookup cannot be used.
+        if let Some(table) = cfi_table(mapped) {
+            self.inner.add_table(table);
         }
     }
 

@@ -1,0 +1,15 @@
+//! The real memptrace binary on the tracees of `tracee-tests/`, each built
+//! dynamic, `-static`, `-static-pie` and musl `-static`, with SQL assertions
+//! on the database it writes: exact counts and sizes per function and op
+//! against the truth each tracee prints, leaks, threads, the order of the
+//! functions along stacks with both unwinders, process and signal handling,
+//! and every kind of bad input.
+//!
+//! These tests need ptrace rights over a child process; where ptrace is not
+//! allowed they fail, they never skip.
+
+mod api;
+mod bad_input;
+mod processes;
+mod stacks;
+mod support;

@@ -1,0 +1,151 @@
+//! Stacks: the order of the functions along them, with both unwinders, on
+//! every variant; the depth limit; threads.
+
+use crate::support::{VARIANTS, Variant, trace};
+
+fn deep(variant: Variant, unwinder: &str) {
+    let t = trace(variant, "deep", &[], &["--unwinder", unwinder]);
+    assert_eq!(t.run.code(), 0);
+    assert_eq!(t.meta("unwinder").as_deref(), Some(unwinder));
+    t.assert_truth();
+
+    let stacks = t.stacks_from("deep_inner", "malloc");
+    assert_eq!(stacks.len(), 1, "one call site, one stack: {stacks:?}");
+    let functions = t.stack_functions(stacks[0]);
+    assert_eq!(
+        functions[..4],
+        ["deep_inner", "deep_middle", "deep_outer", "main"],
+        "{variant:?} {unwinder}: {functions:?}"
+    );
+
+    // deep_recurse(19): twenty frames of it, then main.
+    let stacks = t.stacks_from("deep_recurse", "malloc");
+    assert_eq!(stacks.len(), 1);
+    let functions = t.stack_functions(stacks[0]);
+    assert!(
+        functions[..20].iter().all(|f| f == "deep_recurse") && functions[20] == "main",
+        "{variant:?} {unwinder}: {functions:?}"
+    );
+
+    // The frees come from deep_release, called by main.
+    for stack in t.stacks_from("deep_release", "free") {
+        assert_eq!(t.stack_functions(stack)[..2], ["deep_release", "main"]);
+    }
+}
+
+#[test]
+fn stacks_framehop() {
+    for variant in VARIANTS {
+        deep(variant, "framehop");
+    }
+}
+
+#[test]
+fn stacks_libunwind() {
+    for variant in VARIANTS {
+        deep(variant, "libunwind");
+    }
+}
+
+#[test]
+fn max_depth_limits_stacks() {
+    let t = trace(Variant::Dynamic, "deep", &[], &["--max-depth", "5"]);
+    assert_eq!(
+        t.int("SELECT max(depth) FROM stacks"),
+        4,
+        "depth counts from 0"
+    );
+    let stacks = t.stacks_from("deep_recurse", "malloc");
+    assert_eq!(t.stack_functions(stacks[0]), ["deep_recurse"; 5]);
+}
+
+/// stack_text names every frame, innermost first, with file and line.
+#[test]
+fn stack_text_reads_like_a_backtrace() {
+    let t = trace(Variant::Dynamic, "deep", &[], &[]);
+    let stack = t.stacks_from("deep_inner", "malloc")[0];
+    let text: String =
+        t.db.query_row(
+            "SELECT text FROM stack_text WHERE stack_id = ?1",
+            [stack],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("deep_inner (") && lines[0].contains("deep.c:"),
+        "{text}"
+    );
+    assert!(lines[1].starts_with("deep_middle ("), "{text}");
+    assert!(lines[3].starts_with("main ("), "{text}");
+}
+
+fn threads(variant: Variant) {
+    let t = trace(variant, "threads", &[], &[]);
+    assert_eq!(t.run.code(), 0);
+    t.assert_truth();
+    // Eight threads, each with exactly its 10 000 calls.
+    let mut stmt =
+        t.db.prepare(
+            "SELECT e.tid, count(*) FROM events e JOIN stacks s ON s.id = e.stack_id
+             JOIN frames f ON f.id = s.frame_id
+             WHERE f.function IN ('thread_alloc', 'thread_release') GROUP BY e.tid",
+        )
+        .unwrap();
+    let per_thread: Vec<(i64, i64)> = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(per_thread.len(), 8, "{variant:?}: {per_thread:?}");
+    assert!(
+        per_thread.iter().all(|&(_, n)| n == 10_000),
+        "{per_thread:?}"
+    );
+    // Every thread that called is in `threads`, none is the main thread.
+    let pid: i64 = t.meta("pid").unwrap().parse().unwrap();
+    for (tid, _) in per_thread {
+        assert_ne!(tid, pid);
+        assert_eq!(
+            t.int(&format!("SELECT count(*) FROM threads WHERE tid = {tid}")),
+            1
+        );
+    }
+    assert_eq!(
+        t.int("SELECT count(*) FROM leaks"),
+        t.int("SELECT count(*) FROM leaks WHERE alloc_ns IS NOT NULL")
+    );
+    let leaked_by_workers = t.int(
+        "SELECT count(*) FROM leaks l JOIN stacks s ON s.id = l.alloc_stack_id
+         JOIN frames f ON f.id = s.frame_id WHERE f.function = 'thread_alloc'",
+    );
+    assert_eq!(leaked_by_workers, 0);
+}
+
+#[test]
+fn threads_dynamic() {
+    threads(Variant::Dynamic);
+}
+
+#[test]
+fn threads_static() {
+    threads(Variant::Static);
+}
+
+#[test]
+fn threads_static_pie() {
+    threads(Variant::StaticPie);
+}
+
+#[test]
+fn threads_musl() {
+    threads(Variant::Musl);
+}
+
+#[test]
+fn leaks_on_every_variant() {
+    for variant in VARIANTS {
+        let t = trace(variant, "leaks", &[], &[]);
+        t.assert_truth();
+    }
+}

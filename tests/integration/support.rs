@@ -1,0 +1,481 @@
+//! What every integration test needs: the tracees, built once per run for
+//! each variant (dynamic, -static, -static-pie, musl -static), the real
+//! memptrace binary run on them with a time limit, their ground truth, and
+//! queries on the database memptrace wrote.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+/// How a tracee is linked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// `gcc`: a PIE that loads libc.so.6 through the dynamic linker.
+    Dynamic,
+    /// `gcc -static`: no dynamic linker, fixed addresses, no .eh_frame_hdr.
+    Static,
+    /// `gcc -static-pie`: static, but loaded at a random address.
+    StaticPie,
+    /// `musl-gcc -static`: musl's allocator (mallocng), no unwind info in libc.
+    Musl,
+}
+
+pub const VARIANTS: [Variant; 4] = [
+    Variant::Dynamic,
+    Variant::Static,
+    Variant::StaticPie,
+    Variant::Musl,
+];
+
+/// Tracees built for every variant (see tracee-tests/README.md).
+const TRACEES: [&str; 7] = [
+    "api", "threads", "leaks", "deep", "forks", "status", "signals",
+];
+
+/// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
+/// each tracee function really calls the allocator and stays on the stack.
+const CFLAGS: [&str; 4] = ["-O1", "-g", "-fno-optimize-sibling-calls", "-pthread"];
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Dynamic => "dynamic",
+            Variant::Static => "static",
+            Variant::StaticPie => "static-pie",
+            Variant::Musl => "musl",
+        }
+    }
+
+    fn compiler(self) -> (&'static str, &'static [&'static str]) {
+        match self {
+            Variant::Dynamic => ("gcc", &[]),
+            Variant::Static => ("gcc", &["-static"]),
+            Variant::StaticPie => ("gcc", &["-static-pie"]),
+            Variant::Musl => ("musl-gcc", &["-static"]),
+        }
+    }
+
+    /// True for glibc builds (pvalloc exists; aligned_alloc is memalign).
+    pub fn glibc(self) -> bool {
+        self != Variant::Musl
+    }
+
+    /// True when the allocator is linked into the executable.
+    pub fn is_static(self) -> bool {
+        self != Variant::Dynamic
+    }
+
+    fn dir(self) -> PathBuf {
+        work_dir().join("tracees").join(self.name())
+    }
+}
+
+fn work_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
+fn source_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tracee-tests")
+}
+
+/// Run a build command; panic with its output when it fails.
+fn build(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| {
+        panic!("cannot run {cmd:?}: {e} (scripts/deps installs the compilers)")
+    });
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn compile(variant: Variant, sources: &[&str], out: &Path, extra: &[&str]) {
+    let (cc, link) = variant.compiler();
+    let mut cmd = Command::new(cc);
+    cmd.args(CFLAGS).args(link).arg("-o").arg(out);
+    for s in sources {
+        cmd.arg(source_dir().join(s));
+    }
+    cmd.args(extra);
+    build(&mut cmd);
+}
+
+fn build_variant(variant: Variant) -> PathBuf {
+    let dir = variant.dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in TRACEES {
+        compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
+    }
+    match variant {
+        Variant::Dynamic => {
+            // A library loaded by dlopen, and one the program needs at start.
+            for lib in ["plugin", "needed"] {
+                compile(
+                    variant,
+                    &[&format!("{lib}.c")],
+                    &dir.join(format!("lib{lib}.so")),
+                    &["-fPIC", "-shared"],
+                );
+            }
+            let libdir = format!("-L{}", dir.display());
+            compile(
+                variant,
+                &["dlopen.c"],
+                &dir.join("dlopen"),
+                &[&libdir, "-lneeded", "-Wl,-rpath,$ORIGIN"],
+            );
+            compile(variant, &["noptrace.c"], &dir.join("noptrace"), &[]);
+        }
+        Variant::Static => {
+            // What `strip -s` leaves of a static binary: no allocator symbol.
+            compile(variant, &["leaks.c"], &dir.join("stripped"), &[]);
+            build(Command::new("strip").arg("-s").arg(dir.join("stripped")));
+        }
+        _ => {}
+    }
+    dir
+}
+
+/// The path of a tracee, building the variant's tracees on first use.
+pub fn tracee(variant: Variant, name: &str) -> PathBuf {
+    static BUILT: [OnceLock<PathBuf>; 4] = [const { OnceLock::new() }; 4];
+    let index = VARIANTS.iter().position(|v| *v == variant).unwrap();
+    BUILT[index]
+        .get_or_init(|| build_variant(variant))
+        .join(name)
+}
+
+/// A directory of its own for one test.
+pub fn scratch(label: &str) -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let dir = work_dir().join("runs").join(format!(
+        "{label}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// How long one memptrace run may take before the test fails.
+const TIME_LIMIT: Duration = Duration::from_secs(120);
+
+/// What a finished run left behind.
+pub struct Run {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    pub fn code(&self) -> i32 {
+        self.status
+            .code()
+            .unwrap_or_else(|| panic!("memptrace itself was killed: {:?}", self.status))
+    }
+}
+
+/// A process that is killed when dropped, so no test leaves one behind.
+pub struct Child(pub std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The memptrace binary under test.
+pub fn memptrace() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_memptrace"))
+}
+
+/// Run a command to its end with stdin from `input`, within the time limit.
+pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = Child(cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")));
+    let mut stdin = child.0.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        let _ = stdin.write_all(&input);
+    });
+    let mut stdout = child.0.stdout.take().unwrap();
+    let mut stderr = child.0.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stdout.read_to_end(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stderr.read_to_end(&mut s);
+        s
+    });
+    let deadline = Instant::now() + TIME_LIMIT;
+    let status = loop {
+        if let Some(status) = child.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{cmd:?} did not finish within {TIME_LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let _ = writer.join();
+    Run {
+        status,
+        stdout: String::from_utf8_lossy(&out.join().unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&err.join().unwrap()).into_owned(),
+    }
+}
+
+/// A finished trace: the run and its database.
+pub struct Trace {
+    pub run: Run,
+    pub db: Connection,
+    pub path: PathBuf,
+}
+
+/// Trace `program args` with memptrace `options` into a fresh database.
+pub fn trace_program(program: &Path, args: &[&str], options: &[&str]) -> Trace {
+    let dir = scratch(program.file_name().unwrap().to_str().unwrap());
+    let path = dir.join("trace.db");
+    let run = run(
+        memptrace()
+            .arg("-o")
+            .arg(&path)
+            .args(options)
+            .arg("--")
+            .arg(program)
+            .args(args),
+        b"",
+    );
+    assert!(
+        path.exists(),
+        "memptrace wrote no database (exit {:?}): {}",
+        run.status,
+        run.stderr
+    );
+    let db = Connection::open(&path).unwrap();
+    Trace { run, db, path }
+}
+
+/// Trace a tracee and check what every trace must satisfy.
+pub fn trace(variant: Variant, name: &str, args: &[&str], options: &[&str]) -> Trace {
+    let t = trace_program(&tracee(variant, name), args, options);
+    t.assert_sound();
+    t
+}
+
+/// One `truth` line of a tracee: calls to `op` from `function`, bytes asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Calls {
+    pub function: String,
+    pub op: String,
+    pub calls: i64,
+    pub bytes: i64,
+}
+
+/// One `leak` line: blocks from `function` never freed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Leak {
+    pub function: String,
+    pub blocks: i64,
+    pub bytes: i64,
+}
+
+impl Trace {
+    pub fn meta(&self, key: &str) -> Option<String> {
+        self.db
+            .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+            .optional()
+            .unwrap()
+    }
+
+    /// One integer from a query.
+    pub fn int(&self, sql: &str) -> i64 {
+        self.db
+            .query_row(sql, [], |r| r.get(0))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Invariants of every complete trace of a program that ran to its end.
+    pub fn assert_sound(&self) {
+        for key in [
+            "command",
+            "pid",
+            "mode",
+            "started_at",
+            "ended_at",
+            "exit_status",
+            "version",
+            "unwinder",
+        ] {
+            assert!(self.meta(key).is_some(), "meta has no {key}");
+        }
+        assert_eq!(
+            self.meta("exit_status").unwrap(),
+            self.run.code().to_string(),
+            "meta.exit_status is memptrace's exit status"
+        );
+        // memptrace says nothing on a pipe unless something went wrong; the
+        // tracees write nothing to stderr when all is well.
+        assert_eq!(self.run.stderr, "", "stderr of a clean run");
+        // A finished trace is one file: no write-ahead log left behind.
+        for suffix in ["-wal", "-shm"] {
+            let mut side = self.path.clone().into_os_string();
+            side.push(suffix);
+            assert!(!Path::new(&side).exists(), "{side:?} left behind");
+        }
+        // Every block freed was allocated under the trace: no lost event, and
+        // glibc's release of a dead thread's cache is not taken for the program's.
+        let unknown = self
+            .int("SELECT count(*) FROM events WHERE op = 'free' AND ptr <> 0 AND alloc_id IS NULL");
+        assert_eq!(unknown, 0, "frees of blocks never seen allocated");
+    }
+
+    pub fn truth(&self) -> Vec<Calls> {
+        self.run
+            .stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("truth "))
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Calls {
+                    function: f[0].into(),
+                    op: f[1].into(),
+                    calls: f[2].parse().unwrap(),
+                    bytes: f[3].parse().unwrap(),
+                }
+            })
+            .collect()
+    }
+
+    pub fn truth_leaks(&self) -> Vec<Leak> {
+        self.run
+            .stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("leak "))
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Leak {
+                    function: f[0].into(),
+                    blocks: f[1].parse().unwrap(),
+                    bytes: f[2].parse().unwrap(),
+                }
+            })
+            .collect()
+    }
+
+    /// Calls to `op` recorded with `function` as the innermost frame.
+    pub fn recorded(&self, function: &str, op: &str) -> Calls {
+        let (calls, bytes) = self
+            .db
+            .query_row(
+                "SELECT count(*), coalesce(sum(e.size), 0)
+                 FROM events e JOIN stacks s ON s.id = e.stack_id JOIN frames f ON f.id = s.frame_id
+                 WHERE f.function = ?1 AND e.op = ?2",
+                params![function, op],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        Calls {
+            function: function.into(),
+            op: op.into(),
+            calls,
+            bytes,
+        }
+    }
+
+    /// Blocks allocated with `function` as the innermost frame, never freed.
+    pub fn leaked(&self, function: &str) -> Leak {
+        let (blocks, bytes) = self
+            .db
+            .query_row(
+                "SELECT count(*), coalesce(sum(l.size), 0)
+                 FROM leaks l JOIN stacks s ON s.id = l.alloc_stack_id JOIN frames f ON f.id = s.frame_id
+                 WHERE f.function = ?1",
+                [function],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        Leak {
+            function: function.into(),
+            blocks,
+            bytes,
+        }
+    }
+
+    /// Compare every truth line with the database, with `op_of` mapping the
+    /// op a tracee called to the op memptrace can know it by.
+    pub fn assert_truth_with(&self, op_of: impl Fn(&str) -> String) {
+        let truth = self.truth();
+        assert!(
+            !truth.is_empty(),
+            "the tracee stated no truth:\n{}",
+            self.run.stdout
+        );
+        for want in truth {
+            let want = Calls {
+                op: op_of(&want.op),
+                ..want
+            };
+            assert_eq!(self.recorded(&want.function, &want.op), want);
+        }
+        for want in self.truth_leaks() {
+            assert_eq!(self.leaked(&want.function), want);
+        }
+    }
+
+    pub fn assert_truth(&self) {
+        self.assert_truth_with(str::to_string);
+    }
+
+    /// The function names along a stack, innermost first.
+    pub fn stack_functions(&self, stack_id: i64) -> Vec<String> {
+        let mut stmt = self
+            .db
+            .prepare(
+                "WITH RECURSIVE walk(id, depth) AS (
+                     SELECT ?1, 0
+                     UNION ALL
+                     SELECT s.parent_id, w.depth + 1 FROM stacks s JOIN walk w ON s.id = w.id
+                     WHERE s.parent_id IS NOT NULL)
+                 SELECT coalesce(f.function, '?') FROM walk w
+                 JOIN stacks s ON s.id = w.id JOIN frames f ON f.id = s.frame_id
+                 ORDER BY w.depth",
+            )
+            .unwrap();
+        stmt.query_map([stack_id], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// Stacks of the events whose innermost frame is `function`.
+    pub fn stacks_from(&self, function: &str, op: &str) -> Vec<i64> {
+        let mut stmt = self
+            .db
+            .prepare(
+                "SELECT DISTINCT e.stack_id FROM events e
+                 JOIN stacks s ON s.id = e.stack_id JOIN frames f ON f.id = s.frame_id
+                 WHERE f.function = ?1 AND e.op = ?2",
+            )
+            .unwrap();
+        stmt.query_map(params![function, op], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+}

@@ -1,0 +1,95 @@
+/* A program that forks, vforks, posix_spawns and calls system(), allocating
+ * around each. A child inherits the int3 bytes memptrace planted: unless they
+ * are removed, its first malloc kills it with SIGTRAP. Each child checks
+ * itself and exits with a known status, which the parent checks; the program
+ * exits 0 only if every child behaved. Children are not traced, so only the
+ * parent's calls are in the ground truth. */
+#include <spawn.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "truth.h"
+
+extern char **environ;
+void *volatile truth_sink;
+
+NOINLINE void *parent_alloc(size_t n)
+{
+    void *p = malloc(n);
+    truth_sink = p;
+    return p;
+}
+
+NOINLINE void parent_release(void *p)
+{
+    free(p);
+    truth_sink = NULL;
+}
+
+NOINLINE int child_work(void)
+{
+    /* Allocates and checks that its memory holds what it wrote. */
+    char *blocks[100];
+    for (int i = 0; i < 100; i++) {
+        blocks[i] = malloc(100 + i);
+        memset(blocks[i], i, 100 + i);
+    }
+    int ok = 1;
+    for (int i = 0; i < 100; i++) {
+        for (int j = 0; j < 100 + i; j++)
+            ok &= blocks[i][j] == (char)i;
+        free(blocks[i]);
+    }
+    return ok;
+}
+
+static int check(const char *what, int status, int want)
+{
+    if (WIFEXITED(status) && WEXITSTATUS(status) == want)
+        return 1;
+    fprintf(stderr, "forks: %s: status %#x, wanted exit %d\n", what, status, want);
+    return 0;
+}
+
+int main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    int ok = 1, status;
+    int calls = 0;
+
+    parent_release(parent_alloc(10)), calls++;
+
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(child_work() ? 42 : 1);
+    parent_release(parent_alloc(20)), calls++;
+    waitpid(pid, &status, 0);
+    ok &= check("fork", status, 42);
+
+    pid = vfork();
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", "exit 43", (char *)NULL);
+        _exit(127);
+    }
+    waitpid(pid, &status, 0);
+    ok &= check("vfork", status, 43);
+    parent_release(parent_alloc(30)), calls++;
+
+    char *argv[] = {"sh", "-c", "exit 44", NULL};
+    if (posix_spawn(&pid, "/bin/sh", NULL, NULL, argv, environ) != 0)
+        ok = 0;
+    waitpid(pid, &status, 0);
+    ok &= check("posix_spawn", status, 44);
+    parent_release(parent_alloc(40)), calls++;
+
+    status = system("exit 45");
+    ok &= check("system", status, 45);
+    parent_release(parent_alloc(50)), calls++;
+
+    truth("parent_alloc", "malloc", calls, 150);
+    truth("parent_release", "free", calls, 0);
+    truth("child_work", "malloc", 0, 0);
+    truth("child_work", "free", 0, 0);
+    return ok ? 0 : 1;
+}
