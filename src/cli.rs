@@ -4,7 +4,9 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, ValueEnum};
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::unwind::UnwinderKind;
 
@@ -14,18 +16,55 @@ use crate::unwind::UnwinderKind;
     version,
     about = "Record every heap allocation call of a program, with its stack and thread, into SQLite",
     long_about = "Record every heap allocation call of a program, with its stack and thread, into SQLite.\n\n\
-memptrace runs PROGRAM under ptrace, plants breakpoints on malloc, calloc, realloc, free and the \
-rest of the allocator API in every ELF image (static binaries included), and writes each call to \
-a SQLite database. Query it with sqlite3; see docs/queries.md.",
-    after_help = "Example:\n  memptrace -o trace.db -- ./myprog --flag\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\""
+memptrace runs PROGRAM under ptrace (or attaches to a running process), plants breakpoints on \
+malloc, calloc, realloc, free and the rest of the allocator API in every ELF image (static \
+binaries included), and writes each call to a SQLite database. Query it with sqlite3; see \
+docs/queries.md.",
+    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     #[command(flatten)]
     pub trace: TraceArgs,
 
     /// The program to run, and its arguments (after `--`).
     #[arg(last = true, value_name = "PROGRAM", required = true)]
     pub program: Vec<OsString>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Trace a running process until Ctrl-C, --duration or its exit; then
+    /// detach and leave it running.
+    Attach(AttachArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AttachArgs {
+    /// The process to trace.
+    #[arg(value_name = "PID")]
+    pub pid: i32,
+
+    /// Stop tracing after this many seconds.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    #[command(flatten)]
+    pub trace: TraceArgs,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("{text:?}: give a positive number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 #[derive(Debug, Clone, Args)]
@@ -66,6 +105,11 @@ pub enum Config {
         trace: TraceConfig,
         program: Vec<OsString>,
     },
+    Attach {
+        trace: TraceConfig,
+        pid: i32,
+        duration: Option<Duration>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,9 +138,16 @@ impl From<TraceArgs> for TraceConfig {
 
 impl Cli {
     pub fn into_config(self) -> Config {
-        Config::Launch {
-            trace: self.trace.into(),
-            program: self.program,
+        match self.command {
+            None => Config::Launch {
+                trace: self.trace.into(),
+                program: self.program,
+            },
+            Some(Command::Attach(a)) => Config::Attach {
+                trace: a.trace.into(),
+                pid: a.pid,
+                duration: a.duration,
+            },
         }
     }
 }
@@ -117,7 +168,9 @@ mod tests {
 
     #[test]
     fn launch_defaults() {
-        let Config::Launch { trace, program } = parse(&["memptrace", "--", "ls", "-l"]).unwrap();
+        let Ok(Config::Launch { trace, program }) = parse(&["memptrace", "--", "ls", "-l"]) else {
+            panic!("not a launch");
+        };
         assert_eq!(program, vec![OsString::from("ls"), OsString::from("-l")]);
         assert_eq!(trace.output, PathBuf::from("trace.db"));
         assert!(!trace.force);
@@ -128,7 +181,7 @@ mod tests {
 
     #[test]
     fn launch_options() {
-        let Config::Launch { trace, program } = parse(&[
+        let Ok(Config::Launch { trace, program }) = parse(&[
             "memptrace",
             "-o",
             "x.db",
@@ -141,14 +194,50 @@ mod tests {
             "--",
             "./prog",
             "--its-own-flag",
-        ])
-        .unwrap();
+        ]) else {
+            panic!("not a launch");
+        };
         assert_eq!(trace.output, PathBuf::from("x.db"));
         assert!(trace.force);
         assert_eq!(trace.max_depth, 16);
         assert_eq!(trace.unwinder, UnwinderKind::Libunwind);
         assert!(!trace.stacks);
         assert_eq!(program[1], OsString::from("--its-own-flag"));
+    }
+
+    #[test]
+    fn attach_options() {
+        let config = parse(&[
+            "memptrace",
+            "attach",
+            "1234",
+            "--duration",
+            "2.5",
+            "-o",
+            "a.db",
+        ]);
+        let Ok(Config::Attach {
+            trace,
+            pid,
+            duration,
+        }) = config
+        else {
+            panic!("not an attach: {config:?}");
+        };
+        assert_eq!(pid, 1234);
+        assert_eq!(duration, Some(Duration::from_millis(2500)));
+        assert_eq!(trace.output, PathBuf::from("a.db"));
+        // A program called `attach` is still a program after `--`.
+        assert!(matches!(
+            parse(&["memptrace", "--", "attach", "1"]),
+            Ok(Config::Launch { .. })
+        ));
+        assert!(
+            parse(&["memptrace", "attach"]).is_err(),
+            "a pid is required"
+        );
+        assert!(parse(&["memptrace", "attach", "1", "--duration", "-1"]).is_err());
+        assert!(parse(&["memptrace", "attach", "1", "--", "ls"]).is_err());
     }
 
     #[test]

@@ -47,4 +47,6 @@ pub enum Error {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Io(#[from] io::Error),
+    #[error("{0}")]
+    Unsupported(&'static str),
 }

@@ -25,6 +25,7 @@ use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
 pub fn run(config: Config) -> Result<i32, Error> {
     match config {
         Config::Launch { trace, program } => launch(trace, program),
+        Config::Attach { .. } => Err(Error::Unsupported("attach is not written yet")),
     }
 }
 
