@@ -88,6 +88,13 @@ pub struct TraceArgs {
     /// Record every call but no stacks (fastest).
     #[arg(long)]
     pub no_stacks: bool,
+
+    /// Unwind the stack of every Nth call from each call site only (the 1st,
+    /// the N+1th, ...); every call is still recorded, the others with their
+    /// caller as a one-frame stack.
+    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with = "no_stacks",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub stack_every: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -119,6 +126,8 @@ pub struct TraceConfig {
     pub max_depth: usize,
     pub unwinder: UnwinderKind,
     pub stacks: bool,
+    /// Take a full stack for every Nth call of each call site (1: all).
+    pub stack_every: u64,
 }
 
 impl From<TraceArgs> for TraceConfig {
@@ -132,6 +141,7 @@ impl From<TraceArgs> for TraceConfig {
                 UnwinderArg::Libunwind => UnwinderKind::Libunwind,
             },
             stacks: !a.no_stacks,
+            stack_every: a.stack_every,
         }
     }
 }
@@ -177,6 +187,42 @@ mod tests {
         assert_eq!(trace.max_depth, 128);
         assert_eq!(trace.unwinder, UnwinderKind::Framehop);
         assert!(trace.stacks);
+        assert_eq!(trace.stack_every, 1);
+    }
+
+    #[test]
+    fn stack_every() {
+        let Ok(Config::Launch { trace, .. }) =
+            parse(&["memptrace", "--stack-every", "10", "--", "ls"])
+        else {
+            panic!("not a launch");
+        };
+        assert_eq!(trace.stack_every, 10);
+        assert!(trace.stacks);
+        let Ok(Config::Attach { trace, .. }) =
+            parse(&["memptrace", "attach", "1", "--stack-every", "3"])
+        else {
+            panic!("not an attach");
+        };
+        assert_eq!(trace.stack_every, 3);
+        for bad in ["0", "-1", "ten", ""] {
+            assert!(
+                parse(&["memptrace", "--stack-every", bad, "--", "ls"]).is_err(),
+                "--stack-every {bad:?}"
+            );
+        }
+        assert!(
+            parse(&[
+                "memptrace",
+                "--stack-every",
+                "10",
+                "--no-stacks",
+                "--",
+                "ls"
+            ])
+            .is_err(),
+            "no stacks and some stacks at once"
+        );
     }
 
     #[test]

@@ -48,6 +48,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         ("version", env!("CARGO_PKG_VERSION").to_string()),
         ("unwinder", unwinder_name(&config)),
         ("max_depth", config.max_depth.to_string()),
+        ("stack_every", config.stack_every.to_string()),
     ];
     for (key, value) in meta {
         sink.write(&meta_record(key, value))?;
@@ -87,6 +88,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         max_depth: config.max_depth,
         unwinder: config.unwinder,
         stacks: config.stacks,
+        stack_every: config.stack_every,
     };
     let tracer = Tracer::new(options, pipeline, child.pid, clock, progress)?;
     signals::unblock_here(std::time::Duration::from_millis(100))?;
@@ -125,6 +127,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         ("lost_returns", stats.lost_returns.to_string()),
         ("duration_ns", clock.elapsed().as_nanos().to_string()),
     ];
+
     if let Ending::Killed { sig, .. } = ending {
         end.push(("exit_signal", signal_name(sig)));
     }

@@ -117,7 +117,13 @@ impl Tracer {
             thread.in_call = None;
             self.stats.lost_returns += 1;
         }
-        let (ret_addr, stack) = self.capture(tid, pid, &regs);
+        // A release of a block the ledger does not know may be allocator
+        // housekeeping, which the pipeline tells from the program's calls by
+        // the whole stack: such a call always gets one.
+        let unknown_release = regs.rdi != 0
+            && ops.iter().any(|op| op.takes_block())
+            && !self.ledger.is_live(pid as u32, regs.rdi);
+        let (ret_addr, stack) = self.capture(tid, pid, &regs, unknown_release);
         let op = match ops {
             [op] => *op,
             _ => self.alias(pid, ops, ret_addr),
@@ -206,12 +212,24 @@ impl Tracer {
     }
 
     /// The caller's return address and what the unwinder needs, taken while
-    /// the thread is stopped at the allocator's first instruction.
-    fn capture(&mut self, tid: Tid, pid: Tid, regs: &Regs) -> (u64, CallStack) {
+    /// the thread is stopped at the allocator's first instruction. With
+    /// `--stack-every N`, only every Nth call of a call site (and every
+    /// `always` call) gets more than its caller.
+    fn capture(&mut self, tid: Tid, pid: Tid, regs: &Regs, always: bool) -> (u64, CallStack) {
         let sp = regs.rsp;
         if !self.opts.stacks {
             let ret = mem::read_u64(pid, sp).unwrap_or(0);
             return (ret, CallStack::CallerOnly(ret));
+        }
+        if self.opts.stack_every > 1 {
+            // The call site is the return address: one word read first.
+            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+            let seen = self.sites.entry((pid, ret)).or_insert(0);
+            let sampled = *seen % self.opts.stack_every == 0;
+            *seen += 1;
+            if !sampled && !always {
+                return (ret, CallStack::CallerOnly(ret));
+            }
         }
         if let Some(libunwind) = self.libunwind.as_mut() {
             let ret = mem::read_u64(pid, sp).unwrap_or(0);

@@ -49,6 +49,11 @@ impl Ledger {
         self.events
     }
 
+    /// True when `block` is a live block of process `pid`.
+    pub fn is_live(&self, pid: u32, block: u64) -> bool {
+        self.live.contains_key(&(pid, block))
+    }
+
     pub fn complete(&mut self, op: Op, facts: &CallFacts) -> Completed {
         self.next_id += 1;
         self.events += 1;
@@ -156,6 +161,8 @@ mod tests {
         let mut l = Ledger::new();
         let m = l.complete(Op::Malloc, &facts([100, 0, 0], 0x1000)).event;
         assert_eq!((m.size, m.ptr), (Some(100), 0x1000));
+        assert!(l.is_live(1, 0x1000));
+        assert!(!l.is_live(2, 0x1000));
         assert_eq!(l.live_bytes(), 100);
 
         // realloc moving the block releases the old one and allocates anew.

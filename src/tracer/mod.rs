@@ -45,6 +45,8 @@ pub struct TraceOptions {
     pub unwinder: UnwinderKind,
     /// Take a stack for each call (`--no-stacks` turns it off).
     pub stacks: bool,
+    /// With stacks: unwind every Nth call of each call site only (1: all).
+    pub stack_every: u64,
 }
 
 /// How a trace ended.
@@ -157,6 +159,8 @@ pub struct Tracer {
     ending: Option<Ending>,
     libunwind: Option<LibunwindUnwinder>,
     aliases: HashMap<(Tid, u64), Op>,
+    /// Calls seen per call site (pid, return address), for `stack_every`.
+    sites: HashMap<(Tid, u64), u64>,
     progress: Arc<Progress>,
     stats: TraceStats,
     last_tick: u32,
@@ -190,6 +194,7 @@ impl Tracer {
             ending: None,
             libunwind,
             aliases: HashMap::new(),
+            sites: HashMap::new(),
             progress,
             stats: TraceStats::default(),
             last_tick: signals::ticks(),
@@ -492,6 +497,7 @@ impl Tracer {
                 self.forget_images(pid);
                 self.ledger.forget_process(pid as u32);
                 self.aliases.retain(|(p, _), _| *p != pid);
+                self.sites.retain(|(p, _), _| *p != pid);
             }
             _ => {}
         }

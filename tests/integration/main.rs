@@ -11,5 +11,6 @@
 mod api;
 mod bad_input;
 mod processes;
+mod sampling;
 mod stacks;
 mod support;
