@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime};
 
 use crate::cli::{Config, TraceConfig};
 use crate::error::Error;
-use crate::os::{launch, signals};
+use crate::os::{launch, procfs, signals};
 use crate::program;
 use crate::progress::ProgressLine;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
@@ -127,7 +127,9 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         ("lost_returns", stats.lost_returns.to_string()),
         ("duration_ns", clock.elapsed().as_nanos().to_string()),
     ];
-
+    if let Some(kib) = procfs::own_peak_rss_kib() {
+        end.push(("peak_rss_kib", kib.to_string()));
+    }
     if let Ending::Killed { sig, .. } = ending {
         end.push(("exit_signal", signal_name(sig)));
     }

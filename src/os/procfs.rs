@@ -89,6 +89,17 @@ pub fn tracer_pid(pid: Tid) -> Option<Tid> {
     field(&status, "TracerPid:")?.parse().ok()
 }
 
+/// memptrace's own peak resident set size in KiB (`VmHWM:` of
+/// /proc/self/status).
+pub fn own_peak_rss_kib() -> Option<u64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    field(&status, "VmHWM:")?
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
 fn field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
     status
         .lines()
@@ -170,5 +181,6 @@ garbage
         assert!(maps.iter().any(|m| m.path == "[stack]"));
         assert_eq!(tgid(me), Some(me));
         assert!(threads(me).unwrap().contains(&me));
+        assert!(own_peak_rss_kib().is_some_and(|kib| kib > 0));
     }
 }
