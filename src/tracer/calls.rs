@@ -1,11 +1,15 @@
 //! Breakpoint stops: an allocator entry, a redirected return, the dynamic
 //! linker's hook.
 //!
-//! At an entry the tracer reads the registers once, copies the stack with one
-//! process_vm_readv, and (for calls that return a block) replaces the return
-//! address on the stack with the return trampoline, as kernel uretprobes do;
-//! the thread then resumes at the displaced instruction's slot. At the return
-//! int3 the thread resumes at the real return address. Only a thread's
+//! At an entry the tracer reads the registers once (PTRACE_GETREGS), copies
+//! the stack with one process_vm_readv, points the thread at the breakpoint's
+//! slot (PTRACE_SETREGS) and resumes it (PTRACE_CONT): at the displaced
+//! instruction for `free`, which returns nothing worth a stop, and at the
+//! slot's call stub for every call that returns a block, so that the call
+//! returns to the stub's int3 (see `trampoline::slot_code`). At that return
+//! stop the tracer reads rax and resumes the thread where it is: the stub
+//! returns to the caller itself. So an entry costs four system calls, a
+//! return two, and nothing is written to the target's stack. Only a thread's
 //! outermost allocator call is recorded: an entry below a pending call of the
 //! same thread (realloc(NULL, n) entering malloc) just passes through. The
 //! bookkeeping runs after the thread is resumed.
@@ -23,6 +27,13 @@ use crate::unwind::{StackSample, Unwinder};
 
 /// Bytes of stack copied per call for framehop (less at the top of a stack).
 pub const STACK_COPY: u64 = 32 * 1024;
+
+/// The two ways out of a breakpoint (see [`super::space::Breakpoint`]).
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    resume_at: u64,
+    stub: u64,
+}
 
 impl Tracer {
     /// A SIGTRAP stop: one of our int3s, or the program's own SIGTRAP.
@@ -44,13 +55,13 @@ impl Tracer {
             return self.resume(tid, libc::SIGTRAP);
         };
         let at = regs.rip.wrapping_sub(1);
-        if space.ret_tramp == Some(at) {
-            return self.on_return(tid, regs);
-        }
         let Some(bp) = space.breakpoints.get(&at) else {
+            if space.is_return(at) {
+                return self.on_return(tid, regs);
+            }
             return self.resume(tid, libc::SIGTRAP);
         };
-        let resume_at = bp.resume_at;
+        let (resume_at, stub) = (bp.resume_at, bp.stub);
         match bp.kind.clone() {
             BreakpointKind::DebugState => {
                 let signals = if recording {
@@ -64,7 +75,8 @@ impl Tracer {
                 self.redirect(tid, regs, resume_at, Vec::new())
             }
             BreakpointKind::Allocator { module_id, ops } => {
-                self.on_entry(tid, pid, regs, resume_at, module_id, &ops)
+                let slot = Slot { resume_at, stub };
+                self.on_entry(tid, pid, regs, slot, module_id, &ops)
             }
         }
     }
@@ -89,30 +101,21 @@ impl Tracer {
         tid: Tid,
         pid: Tid,
         regs: Regs,
-        resume_at: u64,
+        slot: Slot,
         module_id: u64,
         ops: &[Op],
     ) -> Result<(), TraceError> {
-        let ret_tramp = self
-            .processes
-            .get(&pid)
-            .and_then(|p| p.space.as_ref())
-            .and_then(|s| s.ret_tramp);
         let thread = self.threads.get_mut(&tid).expect("known thread");
         if let Some(call) = &thread.in_call {
             // The stack grows down: an entry below the pending call's frame is
-            // inside it. So is one at the same depth whose return address is
-            // our trampoline: the pending function tail-called another one
-            // (musl's memalign jumps to aligned_alloc). Any other entry at or
-            // above it means the pending call was left by a longjmp and will
-            // never return.
-            let nested = regs.rsp < call.entry_sp
-                || (regs.rsp == call.entry_sp
-                    && ret_tramp.is_some()
-                    && mem::read_u64(pid, regs.rsp).ok() == ret_tramp);
-            if nested {
+            // inside it, including a tail call from it (musl's memalign jumps
+            // to aligned_alloc), which enters 16 bytes below: the stub's
+            // return address and alignment word. An entry at or above it
+            // means the pending call was left by a longjmp and will never
+            // return.
+            if regs.rsp < call.entry_sp {
                 self.stats.nested_calls += 1;
-                return self.redirect(tid, regs, resume_at, Vec::new());
+                return self.redirect(tid, regs, slot.resume_at, Vec::new());
             }
             thread.in_call = None;
             self.stats.lost_returns += 1;
@@ -130,55 +133,62 @@ impl Tracer {
         };
         let args = [regs.rdi, regs.rsi, regs.rdx];
         if op == Op::Free {
-            self.redirect(tid, regs, resume_at, Vec::new())?;
+            self.redirect(tid, regs, slot.resume_at, Vec::new())?;
             let facts = self.facts(pid, tid, args, 0, 0);
             self.complete(op, &facts, stack, module_id);
             return Ok(());
         }
-        let redirected =
-            ret_tramp.is_some_and(|t| mem::write_data(pid, regs.rsp, &t.to_le_bytes()).is_ok());
-        if redirected {
-            if let Some(thread) = self.threads.get_mut(&tid) {
-                thread.in_call = Some(PendingCall {
-                    op,
-                    args,
-                    ret_addr,
-                    entry_sp: regs.rsp,
-                    stack,
-                    module_id,
-                });
-            }
-        } else {
-            self.stats.lost_returns += 1;
+        if let Some(thread) = self.threads.get_mut(&tid) {
+            thread.in_call = Some(PendingCall {
+                op,
+                args,
+                entry_sp: regs.rsp,
+                stub: slot.stub,
+                stack,
+                module_id,
+            });
         }
-        self.redirect(tid, regs, resume_at, Vec::new())
+        self.redirect(tid, regs, slot.stub, Vec::new())
     }
 
-    fn on_return(&mut self, tid: Tid, mut regs: Regs) -> Result<(), TraceError> {
+    /// The return int3 of a call stub: the call's result is in rax, and the
+    /// thread goes on where it is (the stub returns to the caller).
+    fn on_return(&mut self, tid: Tid, regs: Regs) -> Result<(), TraceError> {
         let pid = self.threads[&tid].pid;
-        let Some(call) = self.threads.get_mut(&tid).and_then(|t| t.in_call.take()) else {
-            // Nothing to return to: memptrace lost track of this call. The
-            // thread cannot continue correctly; let the program see the trap.
-            self.stats.warnings.push(format!(
-                "thread {tid} returned through memptrace without a pending call"
-            ));
-            return self.resume(tid, libc::SIGTRAP);
+        let Some(call) = self.returning_call(tid, regs.rsp) else {
+            // A call memptrace gave up on (left by a longjmp, as far as it
+            // could tell) came back after all: not recorded, no harm done.
+            return self.resume(tid, 0);
         };
-        // posix_memalign's block is stored through its first argument: read it
-        // before the caller can touch it.
-        let stored = if call.op == Op::PosixMemalign && regs.rax as u32 == 0 {
-            mem::read_u64(pid, call.args[0]).unwrap_or(0)
-        } else {
-            0
-        };
-        let result = regs.rax;
-        regs.rip = call.ret_addr;
-        if ptrace::set_regs(tid, &regs).is_ok() {
-            self.resume(tid, 0)?;
-        }
-        let facts = self.facts(pid, tid, call.args, result, stored);
-        self.complete(call.op, &facts, call.stack, call.module_id);
+        let stored = stored_block(pid, &call, regs.rax);
+        self.resume(tid, 0)?;
+        self.record_return(pid, tid, call, regs.rax, stored);
         Ok(())
+    }
+
+    /// The pending call of `tid` that a stop at a return int3 with stack
+    /// pointer `rsp` completes. The stub's `call` pushed its return address
+    /// 16 bytes below the entry's stack pointer, and `ret` popped it.
+    pub(super) fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<PendingCall> {
+        let thread = self.threads.get_mut(&tid)?;
+        let ours = thread
+            .in_call
+            .as_ref()
+            .is_some_and(|c| c.entry_sp.wrapping_sub(8) == rsp);
+        if ours { thread.in_call.take() } else { None }
+    }
+
+    /// Book a call that returned `rax` (and, for posix_memalign, `stored`).
+    pub(super) fn record_return(
+        &mut self,
+        pid: Tid,
+        tid: Tid,
+        call: PendingCall,
+        rax: u64,
+        stored: u64,
+    ) {
+        let facts = self.facts(pid, tid, call.args, rax, stored);
+        self.complete(call.op, &facts, call.stack, call.module_id);
     }
 
     pub(super) fn facts(
@@ -314,5 +324,15 @@ impl Tracer {
         let svma = module.bias.to_svma(crate::addr::Avma(slot));
         let op = *module.image.got_slots.get(&svma.0)?;
         ops.contains(&op).then_some(op)
+    }
+}
+
+/// posix_memalign's block, stored through its first argument: read it while
+/// the thread is stopped at the return, before the caller can touch it.
+pub(super) fn stored_block(pid: Tid, call: &PendingCall, rax: u64) -> u64 {
+    if call.op == Op::PosixMemalign && rax as u32 == 0 {
+        mem::read_u64(pid, call.args[0]).unwrap_or(0)
+    } else {
+        0
     }
 }

@@ -4,12 +4,14 @@
 //! Subtleties (`ptrace(2)`): PTRACE_INTERRUPT reports its stop *before* a
 //! SIGTRAP that an int3 already queued; detaching then would let that SIGTRAP
 //! kill the program. Such a thread is resumed once more so the queued trap is
-//! reported and consumed. A thread inside the allocator gets its real return
-//! address back on its stack; that call is not recorded. Trampoline pages stay
-//! mapped: a thread may be executing a displaced instruction right now.
+//! reported and consumed. A thread inside the allocator returns past the
+//! stub's int3 to its caller; that call is not recorded. Trampoline pages stay
+//! mapped: a thread may be executing a displaced instruction or returning
+//! through a stub right now.
 
 use std::collections::{HashMap, HashSet};
 
+use super::trampoline::{DISPLACED, RETURN_INT3};
 use super::{Role, TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
@@ -122,15 +124,12 @@ impl Tracer {
         let pending: Vec<(Tid, Tid, u64, u64)> = self
             .threads
             .iter_mut()
-            .filter_map(|(&tid, t)| {
-                t.in_call
-                    .take()
-                    .map(|c| (tid, t.pid, c.entry_sp, c.ret_addr))
-            })
+            .filter_map(|(&tid, t)| t.in_call.take().map(|c| (tid, t.pid, c.entry_sp, c.stub)))
             .collect();
-        for (_, pid, sp, ret) in pending {
-            // Still inside the allocator: its frame returns straight to the caller.
-            mem::write_data(pid, sp, &ret.to_le_bytes())?;
+        for (tid, pid, sp, stub) in pending {
+            // Still inside the allocator: the call returns past the stub's
+            // int3 (the trampoline pages stay), straight to the caller.
+            self.unhook_return(tid, pid, sp, stub)?;
             self.stats.lost_returns += 1;
         }
         for process in self.processes.values_mut() {
@@ -153,6 +152,33 @@ impl Tracer {
         Ok(())
     }
 
+    /// Make a call that went through a slot's stub (`trampoline::slot_code`)
+    /// return to its caller without the stub's int3 stopping it.
+    fn unhook_return(&mut self, tid: Tid, pid: Tid, sp: u64, stub: u64) -> Result<(), TraceError> {
+        let past_int3 = stub + RETURN_INT3 + 1;
+        let Ok(mut regs) = ptrace::get_regs(tid) else {
+            return Ok(()); // gone
+        };
+        match regs.rip.wrapping_sub(stub) {
+            // Not called yet (before or after the `lea`): run the displaced
+            // instruction instead, as if the call had never been redirected.
+            0 => regs.rip = stub + DISPLACED,
+            5 => {
+                regs.rsp += 8;
+                regs.rip = stub + DISPLACED;
+            }
+            // Returned, the int3 not executed yet: step over it.
+            RETURN_INT3 => regs.rip = past_int3,
+            // In the function: its return address is the stub's int3.
+            _ => {
+                mem::write_data(pid, sp - 16, &past_int3.to_le_bytes())?;
+                return Ok(());
+            }
+        }
+        ptrace::set_regs(tid, &regs)?;
+        Ok(())
+    }
+
     /// True when the thread is stopped right after one of our int3s.
     fn at_int3(&self, tid: Tid) -> bool {
         let Ok(regs) = ptrace::get_regs(tid) else {
@@ -160,7 +186,7 @@ impl Tracer {
         };
         let at = regs.rip.wrapping_sub(1);
         self.space_of(tid)
-            .is_some_and(|s| s.ret_tramp == Some(at) || s.breakpoints.contains_key(&at))
+            .is_some_and(|s| s.is_return(at) || s.breakpoints.contains_key(&at))
     }
 
     fn space_of(&self, tid: Tid) -> Option<&super::space::Space> {
@@ -183,20 +209,14 @@ impl Tracer {
         let Some(space) = self.space_of(tid) else {
             return Ok(false);
         };
-        if space.ret_tramp == Some(at) {
+        if space.is_return(at) {
+            // A call came back through its stub: record it; the thread goes on
+            // past the int3 to the caller.
             let pid = self.threads[&tid].pid;
-            let Some(call) = self.threads.get_mut(&tid).and_then(|t| t.in_call.take()) else {
-                return Ok(false);
-            };
-            let stored = if call.op == crate::event::Op::PosixMemalign && regs.rax as u32 == 0 {
-                mem::read_u64(pid, call.args[0]).unwrap_or(0)
-            } else {
-                0
-            };
-            let facts = self.facts(pid, tid, call.args, regs.rax, stored);
-            regs.rip = call.ret_addr;
-            ptrace::set_regs(tid, &regs)?;
-            self.complete(call.op, &facts, call.stack, call.module_id);
+            if let Some(call) = self.returning_call(tid, regs.rsp) {
+                let stored = super::calls::stored_block(pid, &call, regs.rax);
+                self.record_return(pid, tid, call, regs.rax, stored);
+            }
             return Ok(true);
         }
         if space.breakpoints.contains_key(&at) {

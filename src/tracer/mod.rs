@@ -113,9 +113,11 @@ struct Process {
 struct PendingCall {
     op: Op,
     args: [u64; 3],
-    ret_addr: u64,
-    /// rsp at entry: where the return address sits.
+    /// rsp at entry: where the caller's return address sits.
     entry_sp: u64,
+    /// The slot's call stub the thread went through (see
+    /// `trampoline::slot_code`): the call returns to its int3.
+    stub: u64,
     stack: CallStack,
     module_id: u64,
 }

@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::inject;
-use super::trampoline::{self, AREA_SIZE, FIRST_SLOT, SLOT_SIZE};
+use super::trampoline::{self, AREA_SIZE, DISPLACED, RETURN_INT3, SLOT_SIZE};
 use crate::addr::LoadBias;
 use crate::event::Op;
 use crate::os::mem::CodeWriter;
@@ -35,8 +35,12 @@ pub struct Breakpoint {
     pub addr: u64,
     /// The byte the int3 replaced.
     pub orig: u8,
-    /// Where a thread stopped here resumes: the displaced instruction's slot.
+    /// Where a thread stopped here resumes: the displaced instruction.
     pub resume_at: u64,
+    /// Where it resumes instead when memptrace wants the call's result: the
+    /// slot's call stub, which returns through the int3 at
+    /// `stub + RETURN_INT3` (see [`trampoline::slot_code`]).
+    pub stub: u64,
     pub kind: BreakpointKind,
 }
 
@@ -89,8 +93,6 @@ pub struct Space {
     mem: CodeWriter,
     pub breakpoints: HashMap<u64, Breakpoint>,
     areas: Vec<Area>,
-    /// The int3 that redirected returns come back to.
-    pub ret_tramp: Option<u64>,
     /// Mapped images by start address.
     pub modules: BTreeMap<u64, LoadedModule>,
     exe: Option<String>,
@@ -103,10 +105,17 @@ impl Space {
             mem: CodeWriter::open(pid)?,
             breakpoints: HashMap::new(),
             areas: Vec::new(),
-            ret_tramp: None,
             modules: BTreeMap::new(),
             exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
         })
+    }
+
+    /// True when `at` is the return int3 of a slot in use: a call made
+    /// through a stub came back.
+    pub fn is_return(&self, at: u64) -> bool {
+        self.areas
+            .iter()
+            .any(|a| (a.start..a.next).contains(&at) && (at - a.start) % SLOT_SIZE == RETURN_INT3)
     }
 
     pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
@@ -227,8 +236,8 @@ impl Space {
             return Ok(());
         }
         let slot = self.slot_for(tid, module, maps, signals)?;
-        let (bytes, _len) =
-            trampoline::displaced(&code, addr, slot).map_err(|source| SpaceError::Relocate {
+        let bytes =
+            trampoline::slot_code(&code, addr, slot).map_err(|source| SpaceError::Relocate {
                 path: module.path.clone(),
                 source,
             })?;
@@ -241,7 +250,8 @@ impl Space {
             Breakpoint {
                 addr,
                 orig: code[0],
-                resume_at: slot,
+                resume_at: slot + DISPLACED,
+                stub: slot,
                 kind,
             },
         );
@@ -276,15 +286,11 @@ impl Space {
                     if done.value != addr {
                         continue;
                     }
-                    if self.ret_tramp.is_none() {
-                        self.mem.write(addr, &[INT3])?;
-                        self.ret_tramp = Some(addr);
-                    }
                     self.areas.push(Area {
                         start: addr,
-                        next: addr + FIRST_SLOT + SLOT_SIZE,
+                        next: addr + SLOT_SIZE,
                     });
-                    return Ok(addr + FIRST_SLOT);
+                    return Ok(addr);
                 }
                 Err(inject::InjectError::Errno(libc::EEXIST)) => continue,
                 Err(err) => return Err(err.into()),

@@ -7,6 +7,8 @@
 //! displaced instruction, relocated by iced-x86's block encoder (RIP-relative
 //! operands and branches keep their targets), followed by a jump back to the
 //! instruction after it. A thread stopped at the int3 resumes at the slot.
+//! The slot also holds a call stub through which memptrace captures a call's
+//! return without touching the target's stack (see [`slot_code`]).
 //!
 //! Slots must lie within ±2 GiB of the code they stand for (rel32 operands),
 //! so areas are placed next to the image they serve, in a gap of the address
@@ -21,12 +23,24 @@ use iced_x86::{
 
 use crate::os::procfs::Mapping;
 
-/// Size of one trampoline area (one page holds the return int3 and 127 slots).
+/// Size of one trampoline area (one page: 64 slots).
 pub const AREA_SIZE: u64 = 4096;
-/// Bytes per slot: the longest x86 instruction (15), relocated, plus a jump back.
-pub const SLOT_SIZE: u64 = 32;
-/// The first slot offset; the bytes before it hold the return trampoline.
-pub const FIRST_SLOT: u64 = 16;
+/// Bytes per slot: the call stub, then the displaced instruction.
+pub const SLOT_SIZE: u64 = 64;
+/// Offset of the int3 a call through the stub returns to.
+pub const RETURN_INT3: u64 = 10;
+/// Offset of the displaced instruction (the longest x86 instruction is 15
+/// bytes; relocated, plus the jump back, it fits in 32).
+pub const DISPLACED: u64 = 32;
+/// The stub: `lea rsp, [rsp-8]; call slot+DISPLACED; int3; lea rsp, [rsp+8];
+/// ret`. The `call` is patched in by [`slot_code`].
+const STUB: [u8; 17] = [
+    0x48, 0x8d, 0x64, 0x24, 0xf8, // lea rsp, [rsp-8]
+    0xe8, 0, 0, 0, 0,    // call rel32 (to the displaced instruction)
+    0xcc, // int3: the return stop
+    0x48, 0x8d, 0x64, 0x24, 0x08, // lea rsp, [rsp+8]
+    0xc3, // ret: to the allocator's caller
+];
 /// How far a rel32 operand reaches, with a margin for the image's own size.
 const REACH: u64 = (1 << 31) - (64 << 20);
 
@@ -38,9 +52,36 @@ pub enum RelocateError {
     Unrelocatable(u64, String),
 }
 
-/// The code for a slot at `slot` that executes the instruction found at `addr`
-/// (whose bytes start `code`) and continues at the next instruction.
-/// Returns the slot bytes and the length of the displaced instruction.
+/// The whole slot at `slot` for a breakpoint at `addr` (whose bytes start
+/// `code`).
+///
+/// A thread stopped at the breakpoint resumes at one of two entries:
+/// - `slot + DISPLACED`: the displaced instruction, then a jump back into the
+///   function. The call goes on as if no breakpoint were there.
+/// - `slot` (the stub), when memptrace wants the call's result: the stub
+///   *calls* the displaced instruction, so the function returns into the stub,
+///   to the int3 at `slot + RETURN_INT3`, where memptrace reads rax; after it,
+///   `ret` returns to the real caller. Nothing is written to the target's
+///   stack by memptrace and no register changes at the return stop, and calls
+///   and returns stay paired (a shadow stack sees nothing amiss). The `lea`
+///   keeps the stack 16-byte aligned as the ABI wants at a function's entry:
+///   inside the function the stack is 16 bytes deeper than without memptrace,
+///   which nothing may rely on (the allocator functions take no arguments on
+///   the stack).
+pub fn slot_code(code: &[u8], addr: u64, slot: u64) -> Result<Vec<u8>, RelocateError> {
+    let (displaced, _) = displaced(code, addr, slot + DISPLACED)?;
+    let mut bytes = vec![0xcc; DISPLACED as usize];
+    bytes[..STUB.len()].copy_from_slice(&STUB);
+    // call rel32 at offset 5: relative to the end of the call, offset 10.
+    let rel = (DISPLACED - RETURN_INT3) as i32;
+    bytes[6..10].copy_from_slice(&rel.to_le_bytes());
+    bytes.extend(displaced);
+    Ok(bytes)
+}
+
+/// The code at `slot` that executes the instruction found at `addr` (whose
+/// bytes start `code`) and continues at the next instruction. Returns the
+/// bytes and the length of the displaced instruction.
 pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), RelocateError> {
     let mut decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
     let insn = decoder.decode();
@@ -54,7 +95,7 @@ pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), 
     let block = InstructionBlock::new(&insns, slot);
     let encoded = BlockEncoder::encode(64, block, BlockEncoderOptions::NONE)
         .map_err(|e| RelocateError::Unrelocatable(addr, e.to_string()))?;
-    if encoded.code_buffer.len() as u64 > SLOT_SIZE {
+    if encoded.code_buffer.len() as u64 > SLOT_SIZE - DISPLACED {
         return Err(RelocateError::Unrelocatable(
             addr,
             format!("{} bytes do not fit a slot", encoded.code_buffer.len()),
@@ -116,6 +157,34 @@ mod tests {
         Decoder::with_ip(64, bytes, ip, DecoderOptions::NONE)
             .into_iter()
             .collect()
+    }
+
+    #[test]
+    fn stub_calls_the_displaced_instruction() {
+        // push r12 (glibc malloc's first instruction).
+        let code = [0x41, 0x54, 0x55, 0x48, 0x89, 0xe5];
+        let slot = 0x7f00_0000_0040;
+        let bytes = slot_code(&code, 0x7f00_0000_1000, slot).unwrap();
+        assert!(bytes.len() as u64 <= SLOT_SIZE);
+        let stub = decode_all(&bytes[..DISPLACED as usize], slot);
+        let names: Vec<Mnemonic> = stub.iter().take(5).map(|i| i.mnemonic()).collect();
+        assert_eq!(
+            names,
+            [
+                Mnemonic::Lea,
+                Mnemonic::Call,
+                Mnemonic::Int3,
+                Mnemonic::Lea,
+                Mnemonic::Ret
+            ]
+        );
+        assert_eq!(stub[0].memory_displacement64() as i64, -8);
+        assert_eq!(stub[1].near_branch_target(), slot + DISPLACED);
+        assert_eq!(stub[2].ip(), slot + RETURN_INT3);
+        assert_eq!(stub[3].memory_displacement64(), 8);
+        let displaced = decode_all(&bytes[DISPLACED as usize..], slot + DISPLACED);
+        assert_eq!(displaced[0].mnemonic(), Mnemonic::Push);
+        assert_eq!(displaced[1].near_branch_target(), 0x7f00_0000_1002);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 mod api;
 mod bad_input;
 mod processes;
+mod returns;
 mod sampling;
 mod stacks;
 mod support;
