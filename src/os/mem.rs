@@ -26,7 +26,12 @@ const MAX_IOV: usize = 64;
 /// elements"), so the remote range is split at page boundaries: the pages that
 /// are mapped are all read.
 pub fn read(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
-    if buf.is_empty() {
+    read_raw(pid, addr, buf.as_mut_ptr(), buf.len())
+}
+
+/// [`read`] into `len` bytes at `dest`, which the kernel only writes.
+fn read_raw(pid: Tid, addr: u64, dest: *mut u8, len: usize) -> io::Result<usize> {
+    if len == 0 {
         return Ok(0);
     }
     let mut remote = [libc::iovec {
@@ -35,7 +40,7 @@ pub fn read(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
     }; MAX_IOV];
     let mut count = 0;
     let mut at = addr;
-    let end = addr.saturating_add(buf.len() as u64);
+    let end = addr.saturating_add(len as u64);
     while at < end && count < MAX_IOV {
         let page_end = (at / PAGE + 1) * PAGE;
         let chunk_end = if count == MAX_IOV - 1 {
@@ -51,11 +56,12 @@ pub fn read(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
         at = chunk_end;
     }
     let local = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
+        iov_base: dest.cast(),
         iov_len: (end - addr) as usize,
     };
-    // SAFETY: `local` covers exactly `buf`; remote addresses are only read by
-    // the kernel, which checks them.
+    // SAFETY: `local` covers `len` writable bytes at `dest` (callers pass a
+    // buffer they own); remote addresses are only read by the kernel, which
+    // checks them.
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), count as _, 0) };
     if n < 0 {
         let err = io::Error::last_os_error();
@@ -66,6 +72,19 @@ pub fn read(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
         return Err(err);
     }
     Ok(n as usize)
+}
+
+/// Read up to `len` bytes at `addr` into `out` (cleared first), as [`read`]
+/// does, without first zeroing the buffer: a stack copy is taken while the
+/// thread is stopped, and every microsecond there counts.
+pub fn read_into(pid: Tid, addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()> {
+    out.clear();
+    out.reserve_exact(len);
+    let n = read_raw(pid, addr, out.spare_capacity_mut().as_mut_ptr().cast(), len)?;
+    // SAFETY: the capacity is at least `len`, and process_vm_readv wrote the
+    // first `n <= len` bytes.
+    unsafe { out.set_len(n) };
+    Ok(())
 }
 
 /// Read exactly `buf.len()` bytes or fail.
@@ -131,5 +150,21 @@ impl CodeWriter {
 
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {
         self.file.read_exact_at(buf, addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_into_a_fresh_buffer() {
+        let me = std::process::id() as Tid;
+        let data: Vec<u8> = (0..=255).collect();
+        let mut out = vec![7u8; 3];
+        read_into(me, data.as_ptr() as u64, data.len(), &mut out).unwrap();
+        assert_eq!(out, data);
+        read_into(me, data.as_ptr() as u64, 0, &mut out).unwrap();
+        assert!(out.is_empty());
     }
 }

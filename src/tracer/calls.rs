@@ -211,6 +211,9 @@ impl Tracer {
 
     /// Book a finished call and send it down the pipeline.
     pub(super) fn complete(&mut self, op: Op, facts: &CallFacts, stack: CallStack, module_id: u64) {
+        if let CallStack::Sample(sample) = &stack {
+            self.batch_bytes += sample.bytes.len();
+        }
         let done = self.ledger.complete(op, facts);
         self.progress.update(&self.ledger);
         self.send(TraceMsg::Call(Box::new(RawCall {
@@ -255,9 +258,10 @@ impl Tracer {
         }
         let top = self.stack_top(tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
-        let mut bytes = vec![0u8; len];
-        let n = mem::read(pid, sp, &mut bytes).unwrap_or(0);
-        bytes.truncate(n);
+        let mut bytes = Vec::new();
+        if mem::read_into(pid, sp, len, &mut bytes).is_err() {
+            bytes.clear();
+        }
         let sample = StackSample {
             ip: 0,
             sp: sp + 8,

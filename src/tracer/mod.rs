@@ -144,11 +144,18 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 /// Messages per batch sent to the pipeline.
 const BATCH: usize = 1024;
 
+/// Bytes of stack copies per batch, at most (about 32 calls with deep
+/// stacks): the pipeline's queue holds 32 batches, so what waits for
+/// unwinding stays near 32 MiB however deep the program's stacks are.
+const BATCH_BYTES: usize = 1 << 20;
+
 pub struct Tracer {
     opts: TraceOptions,
     clock: Instant,
     pipeline: PipelineHandle,
     batch: Vec<TraceMsg>,
+    /// Bytes of stack copies in `batch`.
+    batch_bytes: usize,
     processes: HashMap<Tid, Process>,
     threads: HashMap<Tid, Thread>,
     /// First stops of threads whose creation event has not been seen yet.
@@ -186,6 +193,7 @@ impl Tracer {
             clock,
             pipeline,
             batch: Vec::with_capacity(BATCH),
+            batch_bytes: 0,
             processes: HashMap::new(),
             threads: HashMap::new(),
             early: HashMap::new(),
@@ -236,7 +244,7 @@ impl Tracer {
             if self.processes.is_empty() && self.announced.is_empty() {
                 break;
             }
-            if self.batch.len() >= BATCH || self.ticked() {
+            if self.batch.len() >= BATCH || self.batch_bytes >= BATCH_BYTES || self.ticked() {
                 self.flush()?;
             }
             match self.next_stop() {
@@ -289,6 +297,7 @@ impl Tracer {
 
     fn flush(&mut self) -> Result<(), TraceError> {
         let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        self.batch_bytes = 0;
         self.pipeline.send(batch)?;
         Ok(())
     }
