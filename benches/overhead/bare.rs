@@ -72,7 +72,7 @@ pub fn stop_cost(tracee: &Path, stops: u64, wait: Wait, extra: Extra) -> Result<
         launch::spawn(tracee, &args).map_err(|e| format!("launching {}: {e}", tracee.display()))?;
     let child = launched.pid;
     let mut counted = 0u64;
-    let mut buf = Vec::new();
+    let mut buf: Vec<u8> = Vec::new();
     let mut code = None;
     while code.is_none() {
         let Some((tid, stop)) = next(wait) else {
@@ -83,8 +83,9 @@ pub fn stop_cost(tracee: &Path, stops: u64, wait: Wait, extra: Extra) -> Result<
                 counted += 1;
                 let regs = ptrace::get_regs(tid).map_err(|e| e.to_string())?;
                 if extra.read > 0 {
-                    buf.resize(extra.read, 0);
-                    mem::read(tid, regs.rsp, &mut buf).map_err(|e| e.to_string())?;
+                    // As memptrace copies a stack: one iovec, no zeroing.
+                    mem::read_mapped_into(tid, regs.rsp, extra.read, &mut buf)
+                        .map_err(|e| e.to_string())?;
                 }
                 if extra.write {
                     // Into the middle of the 40 KiB the tracee keeps unused
@@ -114,4 +115,75 @@ pub fn stop_cost(tracee: &Path, stops: u64, wait: Wait, extra: Extra) -> Result<
         return Err(format!("{counted} stops seen, {stops} expected"));
     }
     Ok(loop_ns as f64 / stops as f64)
+}
+
+/// What each system call of a stop path costs by itself, on a thread that
+/// stays stopped (so no wakeup or scheduling is in the figure): `calls`
+/// repetitions each, in µs per call.
+pub fn syscall_costs(tracee: &Path, calls: u32) -> Result<Vec<(String, f64)>, String> {
+    let out = tracee.with_file_name("syscalls.out");
+    let args = [
+        tracee.as_os_str().to_owned(),
+        "int3".into(),
+        "1".into(),
+        out.as_os_str().to_owned(),
+    ];
+    let launched =
+        launch::spawn(tracee, &args).map_err(|e| format!("launching {}: {e}", tracee.display()))?;
+    let child = launched.pid;
+    let err = |e: std::io::Error| e.to_string();
+    let mut costs = Vec::new();
+    loop {
+        let Some((tid, stop)) = next(Wait::Block) else {
+            return Err("the tracee vanished".into());
+        };
+        match stop {
+            Stop::Signal(libc::SIGTRAP) => {
+                let regs = ptrace::get_regs(tid).map_err(err)?;
+                let mut time = |label: &str, f: &mut dyn FnMut() -> std::io::Result<()>| {
+                    let started = Instant::now();
+                    for _ in 0..calls {
+                        f()?;
+                    }
+                    let us = started.elapsed().as_secs_f64() * 1e6 / f64::from(calls);
+                    costs.push((label.to_string(), us));
+                    Ok::<(), std::io::Error>(())
+                };
+                time("PTRACE_GETREGS", &mut || ptrace::get_regs(tid).map(drop)).map_err(err)?;
+                time("PTRACE_SETREGS", &mut || ptrace::set_regs(tid, &regs)).map_err(err)?;
+                let mut buf = Vec::new();
+                let mut page = vec![0u8; 32 << 10];
+                for (label, len) in [
+                    ("process_vm_readv, 8 bytes", 8),
+                    ("process_vm_readv, 4 KiB", 4 << 10),
+                    ("process_vm_readv, 32 KiB, one iovec (memptrace)", 32 << 10),
+                ] {
+                    time(label, &mut || {
+                        mem::read_mapped_into(tid, regs.rsp, len, &mut buf)
+                    })
+                    .map_err(err)?;
+                }
+                time("process_vm_readv, 32 KiB split at pages", &mut || {
+                    mem::read(tid, regs.rsp, &mut page).map(drop)
+                })
+                .map_err(err)?;
+                let word = regs.rsp + (16 << 10);
+                time("process_vm_writev, 8 bytes", &mut || {
+                    mem::write_data(tid, word, &[0; 8])
+                })
+                .map_err(err)?;
+                time("waitpid(WNOHANG), nothing to report", &mut || {
+                    ptrace::poll_any().map(drop)
+                })
+                .map_err(err)?;
+                ptrace::cont(tid, 0).map_err(err)?;
+            }
+            Stop::Exited(_) | Stop::Killed { .. } if tid == child => break,
+            Stop::Exited(_) | Stop::Killed { .. } => {}
+            Stop::Signal(sig) => ptrace::cont(tid, sig).map_err(err)?,
+            _ => ptrace::cont(tid, 0).map_err(err)?,
+        }
+    }
+    let _ = std::fs::remove_file(&out);
+    Ok(costs)
 }

@@ -47,6 +47,8 @@ pub fn loop_ns(text: &str) -> Option<u64> {
 struct Plan {
     rounds: usize,
     bare_stops: u64,
+    /// Repetitions of each system call timed on a stopped thread.
+    syscall_calls: u32,
     single: u64,
     /// libunwind walks the live stack with ptrace: fewer iterations.
     single_libunwind: u64,
@@ -60,6 +62,7 @@ struct Plan {
 const FULL: Plan = Plan {
     rounds: 3,
     bare_stops: 100_000,
+    syscall_calls: 100_000,
     single: 100_000,
     single_libunwind: 20_000,
     threads: 4,
@@ -72,6 +75,7 @@ const FULL: Plan = Plan {
 const QUICK: Plan = Plan {
     rounds: 1,
     bare_stops: 20_000,
+    syscall_calls: 20_000,
     single: 20_000,
     single_libunwind: 5_000,
     threads: 4,
@@ -85,6 +89,7 @@ const QUICK: Plan = Plan {
 const SMOKE: Plan = Plan {
     rounds: 1,
     bare_stops: 300,
+    syscall_calls: 100,
     single: 200,
     single_libunwind: 50,
     threads: 2,
@@ -232,11 +237,13 @@ fn run(plan: Plan, bench: bool) -> Result<(), String> {
     let mut plain_multi = Vec::new();
     let mut traced: Vec<(Vec<Outcome>, Vec<Outcome>)> = vec![(Vec::new(), Vec::new()); tools.len()];
     let mut traced_lu = Vec::new();
+    let mut syscalls: Vec<Vec<(String, f64)>> = Vec::new();
     for round in 0..plan.rounds {
         eprintln!("overhead: round {} of {}", round + 1, plan.rounds);
         for (i, (_, wait, extra)) in bare_cases.iter().enumerate() {
             bare[i].push(bare::stop_cost(&tracee, plan.bare_stops, *wait, *extra)?);
         }
+        syscalls.push(bare::syscall_costs(&tracee, plan.syscall_calls)?);
         let scratch = dir.join("plain");
         plain_single.push(runs::run(&tracee, single, &Tool::Plain, &scratch)?);
         plain_single_lu.push(runs::run(&tracee, single_lu, &Tool::Plain, &scratch)?);
@@ -263,6 +270,10 @@ fn run(plan: Plan, bench: bool) -> Result<(), String> {
         figures
             .bare
             .push((label.to_string(), median(values) * 1e-3));
+    }
+    for (i, (label, _)) in syscalls[0].iter().enumerate() {
+        let values = syscalls.iter().map(|round| round[i].1).collect();
+        figures.syscalls.push((label.clone(), median(values)));
     }
     let plain_st = median(plain_single.iter().map(|o| o.loop_s).collect());
     let plain_st_lu = median(plain_single_lu.iter().map(|o| o.loop_s).collect());
@@ -326,6 +337,7 @@ fn run(plan: Plan, bench: bool) -> Result<(), String> {
         let facts = runs::check_trace(&db, big)?;
         check_stacks(&tool, &facts, big)?;
         figures.rss.push((facts.events, facts.peak_rss_kib));
+        figures.rss_timeline = outcome.rss_kib.clone();
         figures.rss_bytes_per_event = Some(facts.bytes as f64 / facts.events as f64);
         replay_source = Some(db);
     }

@@ -70,6 +70,8 @@ pub struct Figures {
     pub load_after: String,
     /// (what, µs per stop)
     pub bare: Vec<(String, f64)>,
+    /// (system call, µs per call on a stopped thread)
+    pub syscalls: Vec<(String, f64)>,
     pub plain_single_s: f64,
     pub plain_multi_s: f64,
     pub plain_multi_wall_s: f64,
@@ -77,6 +79,8 @@ pub struct Figures {
     /// (events, memptrace's peak RSS in KiB)
     pub rss: Vec<(u64, Option<u64>)>,
     pub rss_bytes_per_event: Option<f64>,
+    /// VmRSS every 100 ms during the largest run (KiB).
+    pub rss_timeline: Vec<u64>,
     pub replay: Option<Replay>,
 }
 
@@ -126,12 +130,14 @@ impl Figures {
             load_before: String::new(),
             load_after: String::new(),
             bare: Vec::new(),
+            syscalls: Vec::new(),
             plain_single_s: 0.0,
             plain_multi_s: 0.0,
             plain_multi_wall_s: 0.0,
             rows: Vec::new(),
             rss: Vec::new(),
             rss_bytes_per_event: None,
+            rss_timeline: Vec::new(),
             replay: None,
         }
     }
@@ -177,6 +183,16 @@ impl Figures {
         let _ = writeln!(out, "|---|---:|---:|");
         for (label, us) in &self.bare {
             let _ = writeln!(out, "| {label} | {us:.2} | {:.2}x |", us / reference);
+        }
+
+        let _ = writeln!(
+            out,
+            "\n## System calls of a stop path, each alone (thread stays stopped)\n"
+        );
+        let _ = writeln!(out, "| system call | µs per call |");
+        let _ = writeln!(out, "|---|---:|");
+        for (label, us) in &self.syscalls {
+            let _ = writeln!(out, "| {label} | {us:.2} |");
         }
 
         let _ = writeln!(
@@ -249,6 +265,16 @@ impl Figures {
                     || "not recorded".into(),
                     |k| format!("{:.1} MiB", k as f64 / 1024.0)
                 )
+            );
+        }
+        if self.rss_timeline.len() >= 10 {
+            let at = |f: usize| self.rss_timeline[(self.rss_timeline.len() - 1) * f / 100];
+            let _ = writeln!(
+                out,
+                "- Its VmRSS along that run (at 10 %, 25 %, 50 %, 75 % and 100 % of it): {} MiB.",
+                [10, 25, 50, 75, 100]
+                    .map(|f| format!("{:.1}", at(f) as f64 / 1024.0))
+                    .join(", ")
             );
         }
         if let Some(b) = self.rss_bytes_per_event {

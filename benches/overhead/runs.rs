@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rusqlite::Connection;
@@ -110,6 +112,21 @@ pub struct Outcome {
     pub wall_s: f64,
     /// memptrace only: the database.
     pub db: Option<PathBuf>,
+    /// The command's resident set (VmRSS, KiB) sampled every 100 ms.
+    pub rss_kib: Vec<u64>,
+}
+
+/// VmRSS of a process, in KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Run `tracee` with `load` under `tool`; `scratch` holds its files.
@@ -147,15 +164,33 @@ pub fn run(tracee: &Path, load: Load, tool: &Tool, scratch: &Path) -> Result<Out
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let started = Instant::now();
-    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let mut child = cmd.spawn().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let mut stderr = child.stderr.take().ok_or("no stderr")?;
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    // The resident set, sampled beside the run; the wait itself is exact.
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (done, pid) = (done.clone(), child.id());
+        std::thread::spawn(move || {
+            let mut rss = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                rss.extend(rss_kib(pid));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            rss
+        })
+    };
+    let status = child.wait().map_err(|e| e.to_string())?;
     let wall_s = started.elapsed().as_secs_f64();
-    if !out.status.success() {
-        return Err(format!(
-            "{} failed ({}): {}",
-            tool.label(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
+    done.store(true, Ordering::Relaxed);
+    let rss = sampler.join().unwrap_or_default();
+    let stderr = reader.join().unwrap_or_default();
+    if !status.success() {
+        return Err(format!("{} failed ({status}): {stderr}", tool.label()));
     }
     let text = std::fs::read_to_string(&loop_file)
         .map_err(|e| format!("{}: no loop time: {e}", tool.label()))?;
@@ -164,6 +199,7 @@ pub fn run(tracee: &Path, load: Load, tool: &Tool, scratch: &Path) -> Result<Out
         loop_s: loop_ns as f64 * 1e-9,
         wall_s,
         db,
+        rss_kib: rss,
     })
 }
 

@@ -259,7 +259,7 @@ impl Tracer {
         let top = self.stack_top(tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
         let mut bytes = Vec::new();
-        if mem::read_into(pid, sp, len, &mut bytes).is_err() {
+        if mem::read_mapped_into(pid, sp, len, &mut bytes).is_err() {
             bytes.clear();
         }
         let sample = StackSample {
