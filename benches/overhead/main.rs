@@ -1,7 +1,7 @@
 //! What tracing costs, measured in one run (issue #4, docs/performance.md):
 //!
 //! ```text
-//! cargo bench --bench overhead              # the full run, about 15 minutes
+//! cargo bench --bench overhead              # the full run, about 20 minutes
 //! cargo bench --bench overhead -- --quick   # smaller loops, no 10 M-event run
 //! ```
 //!
