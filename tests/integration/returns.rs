@@ -9,19 +9,18 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 
 use crate::support::{Child, Variant, memptrace, scratch, tracee};
 
-fn events_so_far(db: &std::path::Path) -> i64 {
-    // The trace is being written (WAL): read what is committed, and never
-    // create the file before memptrace does.
-    if !db.exists() {
+/// The threads of memptrace's child (the tracee), 0 while there is none.
+fn tracee_threads(memptrace: u32) -> usize {
+    let children = std::fs::read_to_string(format!("/proc/{memptrace}/task/{memptrace}/children"))
+        .unwrap_or_default();
+    let Some(tracee) = children.split_whitespace().next() else {
         return 0;
-    }
-    Connection::open_with_flags(db, OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .and_then(|c| c.query_row("SELECT count(*) FROM events", [], |r| r.get(0)))
-        .unwrap_or(0)
+    };
+    std::fs::read_dir(format!("/proc/{tracee}/task")).map_or(0, |d| d.count())
 }
 
 fn detach_mid_run(variant: Variant) {
@@ -42,19 +41,21 @@ fn detach_mid_run(variant: Variant) {
         let _ = stdout.read_to_string(&mut s);
         s
     });
-    // Wait until the threads are busy allocating under the trace.
+    // Wait until the eight threads exist: they start allocating together
+    // (a barrier), each making 10 000 calls, seconds of work under a trace.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while events_so_far(&db) < 2000 {
+    while tracee_threads(child.0.id()) < 9 {
         assert!(
             Instant::now() < deadline,
-            "{variant:?}: no events after 60 s"
+            "{variant:?}: no threads after 60 s"
         );
         assert!(
             child.0.try_wait().unwrap().is_none(),
             "{variant:?}: the trace ended before it could be interrupted"
         );
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(1));
     }
+    std::thread::sleep(Duration::from_millis(50));
     kill(Pid::from_raw(child.0.id() as i32), Signal::SIGTERM).unwrap();
     let status = child.0.wait().unwrap();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{variant:?}");
