@@ -88,6 +88,11 @@ pub struct TraceArgs {
     /// Record every call but no stacks (fastest).
     #[arg(long)]
     pub no_stacks: bool,
+
+    /// Trace forked children too, into the same database (without it they
+    /// are released unharmed).
+    #[arg(short = 'f', long)]
+    pub follow_forks: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -119,6 +124,7 @@ pub struct TraceConfig {
     pub max_depth: usize,
     pub unwinder: UnwinderKind,
     pub stacks: bool,
+    pub follow_forks: bool,
 }
 
 impl From<TraceArgs> for TraceConfig {
@@ -132,6 +138,7 @@ impl From<TraceArgs> for TraceConfig {
                 UnwinderArg::Libunwind => UnwinderKind::Libunwind,
             },
             stacks: !a.no_stacks,
+            follow_forks: a.follow_forks,
         }
     }
 }

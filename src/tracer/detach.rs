@@ -117,8 +117,10 @@ impl Tracer {
         self.restore_and_release(deliver)
     }
 
-    /// Put back what was changed, then detach every thread.
-    fn restore_and_release(&mut self, deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+    /// Put back what was changed, then detach every thread: return addresses,
+    /// threads standing in a trampoline slot (moved to the same place in the
+    /// original code), the int3 bytes, and last the trampoline pages.
+    fn restore_and_release(&mut self, mut deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
         let pending: Vec<(Tid, Tid, u64, u64)> = self
             .threads
             .iter_mut()
@@ -133,14 +135,63 @@ impl Tracer {
             mem::write_data(pid, sp, &ret.to_le_bytes())?;
             self.stats.lost_returns += 1;
         }
-        for process in self.processes.values_mut() {
-            if process.role == Role::Traced {
-                if let Some(space) = process.space.as_mut() {
-                    space.restore_all()?;
+        // Spaces whose pages must stay: a thread is somewhere in them that
+        // cannot be mapped back to the original code.
+        let mut keep_pages: HashSet<Tid> = HashSet::new();
+        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        for &tid in &tids {
+            let Some(space) = self.space_of(tid) else {
+                continue;
+            };
+            let owner = space.pid;
+            let Ok(mut regs) = ptrace::get_regs(tid) else {
+                continue;
+            };
+            match space.outside_slots(regs.rip) {
+                Some(rip) if rip == regs.rip => {}
+                Some(rip) => {
+                    regs.rip = rip;
+                    ptrace::set_regs(tid, &regs)?;
+                }
+                None => {
+                    keep_pages.insert(owner);
                 }
             }
         }
-        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        let traced: Vec<Tid> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.role == Role::Traced && p.space.is_some())
+            .map(|(&pid, _)| pid)
+            .collect();
+        for pid in traced {
+            let worker = tids.iter().copied().find(|t| self.threads[t].pid == pid);
+            let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+                continue;
+            };
+            space.restore_all()?;
+            let (Some(worker), false) = (worker, keep_pages.contains(&pid)) else {
+                self.stats
+                    .warnings
+                    .push(format!("process {pid}: trampoline pages left mapped"));
+                continue;
+            };
+            match space.unmap_areas(worker) {
+                Ok(signals) => {
+                    for sig in signals {
+                        if let std::collections::hash_map::Entry::Vacant(e) = deliver.entry(worker)
+                        {
+                            e.insert(sig);
+                        } else {
+                            let _ = ptrace::tgkill(pid, worker, sig);
+                        }
+                    }
+                }
+                Err(err) => self.stats.warnings.push(format!(
+                    "process {pid}: trampoline pages left mapped: {err}"
+                )),
+            }
+        }
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
             match ptrace::detach(tid, sig) {

@@ -37,6 +37,8 @@ pub struct Breakpoint {
     pub orig: u8,
     /// Where a thread stopped here resumes: the displaced instruction's slot.
     pub resume_at: u64,
+    /// What the slot holds.
+    pub slot: trampoline::Displaced,
     pub kind: BreakpointKind,
 }
 
@@ -52,6 +54,7 @@ pub struct LoadedModule {
     pub is_main: bool,
 }
 
+#[derive(Clone, Copy, Debug)]
 struct Area {
     start: u64,
     next: u64,
@@ -106,6 +109,46 @@ impl Space {
             ret_tramp: None,
             modules: BTreeMap::new(),
             exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
+        })
+    }
+
+    /// The space of a child forked from this one (`pid`), which has copies of
+    /// the same breakpoints, trampoline pages and images. Its modules get
+    /// ids of their own, taken from `next_id`.
+    pub fn fork_copy(&self, pid: Tid, next_id: &mut u64) -> io::Result<Space> {
+        let mut renamed = HashMap::new();
+        let modules = self
+            .modules
+            .iter()
+            .map(|(&start, module)| {
+                *next_id += 1;
+                renamed.insert(module.id, *next_id);
+                let copy = LoadedModule {
+                    id: *next_id,
+                    ..module.clone()
+                };
+                (start, copy)
+            })
+            .collect();
+        let breakpoints = self
+            .breakpoints
+            .iter()
+            .map(|(&addr, bp)| {
+                let mut bp = bp.clone();
+                if let BreakpointKind::Allocator { module_id, .. } = &mut bp.kind {
+                    *module_id = renamed.get(module_id).copied().unwrap_or(*module_id);
+                }
+                (addr, bp)
+            })
+            .collect();
+        Ok(Space {
+            pid,
+            mem: CodeWriter::open(pid)?,
+            breakpoints,
+            areas: self.areas.clone(),
+            ret_tramp: self.ret_tramp,
+            modules,
+            exe: self.exe.clone(),
         })
     }
 
@@ -227,14 +270,14 @@ impl Space {
             return Ok(());
         }
         let slot = self.slot_for(tid, module, maps, signals)?;
-        let (bytes, _len) =
+        let displaced =
             trampoline::displaced(&code, addr, slot).map_err(|source| SpaceError::Relocate {
                 path: module.path.clone(),
                 source,
             })?;
         // The slot first, then the int3: a thread never reaches an int3 whose
         // slot is not ready.
-        self.mem.write(slot, &bytes)?;
+        self.mem.write(slot, &displaced.bytes)?;
         self.mem.write(addr, &[INT3])?;
         self.breakpoints.insert(
             addr,
@@ -242,6 +285,7 @@ impl Space {
                 addr,
                 orig: code[0],
                 resume_at: slot,
+                slot: displaced,
                 kind,
             },
         );
@@ -291,6 +335,54 @@ impl Space {
             }
         }
         Err(SpaceError::NoRoom(module.path.clone()))
+    }
+
+    /// Where a thread stopped at `rip` in a trampoline slot stands in the
+    /// original code; `Some(rip)` when it is not in a trampoline area, `None`
+    /// when it is somewhere in one that cannot be mapped back.
+    pub fn outside_slots(&self, rip: u64) -> Option<u64> {
+        if !self.in_area(rip) {
+            return Some(rip);
+        }
+        self.breakpoints
+            .values()
+            .find_map(|bp| bp.slot.original_rip(rip, bp.resume_at, bp.addr))
+    }
+
+    fn in_area(&self, addr: u64) -> bool {
+        self.areas
+            .iter()
+            .any(|a| (a.start..a.start + AREA_SIZE).contains(&addr))
+    }
+
+    /// Unmap every trampoline area, running munmap in the stopped thread
+    /// `tid`. Call only when no breakpoint is planted and no thread is in an
+    /// area or will return to the return trampoline. Returns signals that
+    /// arrived meanwhile, to deliver.
+    pub fn unmap_areas(&mut self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
+        let signals = self.unmap_areas_in(tid)?;
+        self.areas.clear();
+        self.ret_tramp = None;
+        Ok(signals)
+    }
+
+    /// Unmap the trampoline areas in the process of the stopped thread `tid`:
+    /// this one, or a forked copy of it, which has the same areas.
+    pub fn unmap_areas_in(&self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
+        let insn = self
+            .syscall_insn()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction to unmap with".into()))?;
+        let mut signals = Vec::new();
+        for area in &self.areas {
+            let done = inject::syscall(
+                tid,
+                insn,
+                libc::SYS_munmap as u64,
+                [area.start, AREA_SIZE, 0, 0, 0, 0],
+            )?;
+            signals.extend(done.signals);
+        }
+        Ok(signals)
     }
 
     fn syscall_insn(&self) -> Option<u64> {

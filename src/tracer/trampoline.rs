@@ -38,10 +38,36 @@ pub enum RelocateError {
     Unrelocatable(u64, String),
 }
 
+/// A displaced instruction's slot: its bytes and where its parts are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Displaced {
+    /// The relocated instruction followed by a jump back.
+    pub bytes: Vec<u8>,
+    /// Length of the original instruction.
+    pub len: usize,
+    /// Length of the relocated copy; the jump back starts there.
+    pub copy_len: usize,
+}
+
+impl Displaced {
+    /// Where a thread stopped at `rip` inside the slot at `slot`, for the
+    /// instruction at `addr`, stands in the original code: before the
+    /// instruction (it has not run) or after it (only the jump back is left).
+    /// `None` if `rip` is elsewhere.
+    pub fn original_rip(&self, rip: u64, slot: u64, addr: u64) -> Option<u64> {
+        if rip == slot {
+            Some(addr)
+        } else if rip == slot + self.copy_len as u64 {
+            Some(addr + self.len as u64)
+        } else {
+            None
+        }
+    }
+}
+
 /// The code for a slot at `slot` that executes the instruction found at `addr`
 /// (whose bytes start `code`) and continues at the next instruction.
-/// Returns the slot bytes and the length of the displaced instruction.
-pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), RelocateError> {
+pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<Displaced, RelocateError> {
     let mut decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
     let insn = decoder.decode();
     if insn.is_invalid() {
@@ -54,13 +80,29 @@ pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), 
     let block = InstructionBlock::new(&insns, slot);
     let encoded = BlockEncoder::encode(64, block, BlockEncoderOptions::NONE)
         .map_err(|e| RelocateError::Unrelocatable(addr, e.to_string()))?;
-    if encoded.code_buffer.len() as u64 > SLOT_SIZE {
+    let bytes = encoded.code_buffer;
+    if bytes.len() as u64 > SLOT_SIZE {
         return Err(RelocateError::Unrelocatable(
             addr,
-            format!("{} bytes do not fit a slot", encoded.code_buffer.len()),
+            format!("{} bytes do not fit a slot", bytes.len()),
         ));
     }
-    Ok((encoded.code_buffer, len))
+    // The copy must be one instruction followed by the jump back: a thread
+    // stopped in the slot is then always at one of two known places.
+    let mut copy = Decoder::with_ip(64, &bytes, slot, DecoderOptions::NONE);
+    let first = copy.decode();
+    let second = copy.decode();
+    if second.code() != Code::Jmp_rel32_64 || second.near_branch_target() != addr + len as u64 {
+        return Err(RelocateError::Unrelocatable(
+            addr,
+            "the relocated instruction is more than one instruction".into(),
+        ));
+    }
+    Ok(Displaced {
+        copy_len: first.len(),
+        bytes,
+        len,
+    })
 }
 
 /// True when an area at `area` can serve code in `image` (rel32 reach both ways).
@@ -122,12 +164,17 @@ mod tests {
     fn relocates_a_push_and_jumps_back() {
         // push r12 (glibc malloc's first instruction) followed by junk.
         let code = [0x41, 0x54, 0x55, 0x48, 0x89, 0xe5];
-        let (slot, len) = displaced(&code, 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
-        assert_eq!(len, 2);
-        let insns = decode_all(&slot, 0x7f00_0000_0000);
+        let d = displaced(&code, 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
+        assert_eq!((d.len, d.copy_len), (2, 2));
+        let insns = decode_all(&d.bytes, 0x7f00_0000_0000);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Push);
         assert_eq!(insns[1].mnemonic(), Mnemonic::Jmp);
         assert_eq!(insns[1].near_branch_target(), 0x7f00_0000_1002);
+        // A thread stopped in the slot, before or after the copy.
+        let (slot, addr) = (0x7f00_0000_0000, 0x7f00_0000_1000);
+        assert_eq!(d.original_rip(slot, slot, addr), Some(addr));
+        assert_eq!(d.original_rip(slot + 2, slot, addr), Some(addr + 2));
+        assert_eq!(d.original_rip(slot + 3, slot, addr), None);
     }
 
     #[test]
@@ -136,9 +183,9 @@ mod tests {
         let code = [0x80, 0x3d, 0x00, 0x01, 0x00, 0x00, 0x00];
         let addr = 0x7f00_0010_0000;
         let slot = 0x7f00_0000_0000;
-        let (bytes, len) = displaced(&code, addr, slot).unwrap();
-        assert_eq!(len, 7);
-        let insns = decode_all(&bytes, slot);
+        let d = displaced(&code, addr, slot).unwrap();
+        assert_eq!(d.len, 7);
+        let insns = decode_all(&d.bytes, slot);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Cmp);
         // The operand still names the same byte.
         assert_eq!(insns[0].memory_displacement64(), addr + 7 + 0x100);
@@ -149,8 +196,8 @@ mod tests {
     fn relocates_a_jump_stub() {
         // musl: malloc is `jmp rel32` to the real implementation.
         let code = [0xe9, 0x0b, 0x00, 0x00, 0x00];
-        let (bytes, _) = displaced(&code, 0x401800, 0x300000).unwrap();
-        let insns = decode_all(&bytes, 0x300000);
+        let d = displaced(&code, 0x401800, 0x300000).unwrap();
+        let insns = decode_all(&d.bytes, 0x300000);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Jmp);
         assert_eq!(insns[0].near_branch_target(), 0x401810);
     }

@@ -9,7 +9,9 @@
 //! allowed they fail, they never skip.
 
 mod api;
+mod attach;
 mod bad_input;
+mod faults;
 mod processes;
 mod stacks;
 mod support;
