@@ -78,6 +78,24 @@ fn stack_text_reads_like_a_backtrace() {
     );
     assert!(lines[1].starts_with("deep_middle ("), "{text}");
     assert!(lines[3].starts_with("main ("), "{text}");
+
+    // A call made in inlined code: the frame is the function whose machine
+    // code it is; stack_text shows the inlined function above it.
+    let stack = t.stacks_from("deep_inlined_caller", "malloc")[0];
+    let text: String =
+        t.db.query_row(
+            "SELECT text FROM stack_text WHERE stack_id = ?1",
+            [stack],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("deep_wrap (") && lines[0].contains("deep.c:"),
+        "{text}"
+    );
+    assert!(lines[1].starts_with("deep_inlined_caller ("), "{text}");
+    assert!(lines[2].starts_with("main ("), "{text}");
 }
 
 fn threads(variant: Variant) {

@@ -210,12 +210,14 @@ impl SqliteSink {
 
     fn write_symbols(&mut self, symbols: &FrameSymbols) -> Result<(), SinkError> {
         let conn = self.conn()?;
-        let first = symbols.lines.first().cloned().unwrap_or_default();
+        // The frame is named after the function whose machine code it is (the
+        // outermost line); the inlined functions are in frame_lines.
+        let real = symbols.lines.last().cloned().unwrap_or_default();
         conn.prepare_cached("UPDATE frames SET function = ?, file = ?, line = ? WHERE id = ?")?
             .execute(params![
-                first.function,
-                first.file,
-                first.line,
+                real.function,
+                real.file,
+                real.line,
                 int(symbols.frame_id)
             ])?;
         conn.prepare_cached("DELETE FROM frame_lines WHERE frame_id = ?")?
