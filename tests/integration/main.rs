@@ -11,6 +11,7 @@
 mod api;
 mod attach;
 mod bad_input;
+mod docs;
 mod faults;
 mod processes;
 mod stacks;
