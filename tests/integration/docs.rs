@@ -20,10 +20,9 @@ fn documented_queries_run() {
         for block in sql_blocks(&text) {
             for statement in block.split(";\n").map(str::trim).filter(|s| !s.is_empty()) {
                 let sql = statement.trim_end_matches(';');
-                let mut stmt = t
-                    .db
-                    .prepare(sql)
-                    .unwrap_or_else(|e| panic!("{doc}: {e}\n{sql}"));
+                let mut stmt =
+                    t.db.prepare(sql)
+                        .unwrap_or_else(|e| panic!("{doc}: {e}\n{sql}"));
                 let columns = stmt.column_count();
                 // A documented parameter (`:stack`) gets the first stack.
                 let params: Vec<i64> = vec![1; stmt.parameter_count()];
