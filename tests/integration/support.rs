@@ -112,8 +112,26 @@ fn build_variant(variant: Variant) -> PathBuf {
     for name in TRACEES {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
+    // No unwind tables, frame pointers: the unwinders' fallback.
+    compile(
+        variant,
+        &["nocfi.c"],
+        &dir.join("nocfi"),
+        &[
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+            "-fno-omit-frame-pointer",
+        ],
+    );
     match variant {
         Variant::Dynamic => {
+            build(
+                Command::new("g++")
+                    .args(CFLAGS)
+                    .arg("-o")
+                    .arg(dir.join("cxx"))
+                    .arg(source_dir().join("cxx.cpp")),
+            );
             // A library loaded by dlopen, and one the program needs at start.
             for lib in ["plugin", "needed"] {
                 compile(
