@@ -12,9 +12,6 @@ use super::space::Space;
 use super::{Child, Process, Role, Thread, TraceError, Tracer, detach};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};
-use crate::sink::ModuleRecord;
-use crate::unwind::MappedImage;
-use crate::unwind::pipeline::TraceMsg;
 
 impl Tracer {
     /// A clone/fork/vfork event: learn what the child is. Its first stop may
@@ -120,31 +117,10 @@ impl Tracer {
         };
         let copy = space.fork_copy(tid, &mut self.next_module_id)?;
         let now = self.now_ns();
-        let images: Vec<TraceMsg> = copy
-            .modules
-            .values()
-            .map(|module| TraceMsg::Image {
-                pid: tid as u32,
-                mapped: MappedImage {
-                    module_id: module.id,
-                    image: module.image.clone(),
-                    bias: module.bias,
-                    range: module.range.clone(),
-                    is_main: module.is_main,
-                },
-                record: ModuleRecord {
-                    id: module.id,
-                    pid: tid as u32,
-                    path: module.path.clone(),
-                    build_id: module.image.build_id.clone(),
-                    start: module.range.start,
-                    end: module.range.end,
-                    base: module.bias.0,
-                    loaded_ns: now,
-                },
-            })
-            .collect();
-        self.batch.extend(images);
+        let modules: Vec<_> = copy.modules.values().cloned().collect();
+        for module in &modules {
+            self.announce_image(tid, module, now);
+        }
         self.processes.insert(
             tid,
             Process {

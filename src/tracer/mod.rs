@@ -32,9 +32,9 @@ use crate::event::Op;
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
 use crate::sink::{Record, SinkError, ThreadRecord};
+use crate::unwind::UnwinderKind;
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
-use crate::unwind::{MappedImage, UnwinderKind};
 use ledger::Ledger;
 use space::{Changes, Space};
 
@@ -521,35 +521,24 @@ impl Tracer {
         }
         for module in added {
             self.stats.images += 1;
-            let mapped = MappedImage {
-                module_id: module.id,
-                image: module.image.clone(),
-                bias: module.bias,
-                range: module.range.clone(),
-                is_main: module.is_main,
-            };
-            if let Some(lu) = self.libunwind.as_mut() {
-                crate::unwind::Unwinder::add_image(lu, &mapped);
-            }
-            let record = crate::sink::ModuleRecord {
-                id: module.id,
-                pid: pid as u32,
-                path: module.path.clone(),
-                build_id: module.image.build_id.clone(),
-                start: module.range.start,
-                end: module.range.end,
-                base: module.bias.0,
-                loaded_ns: now,
-            };
-            self.send(TraceMsg::Image {
-                pid: pid as u32,
-                mapped,
-                record,
-            });
+            self.announce_image(pid, &module, now);
         }
         self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
         self.stats.warnings.extend(warnings);
         Ok(signals)
+    }
+
+    /// Tell the unwinders and the pipeline about an image of process `pid`.
+    fn announce_image(&mut self, pid: Tid, module: &space::LoadedModule, now: u64) {
+        let mapped = module.mapped();
+        if let Some(lu) = self.libunwind.as_mut() {
+            crate::unwind::Unwinder::add_image(lu, &mapped);
+        }
+        self.send(TraceMsg::Image {
+            pid: pid as u32,
+            mapped,
+            record: module.record(pid, now),
+        });
     }
 
     fn forget_images(&mut self, pid: Tid) {

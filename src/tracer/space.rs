@@ -18,7 +18,9 @@ use crate::event::Op;
 use crate::os::mem::CodeWriter;
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
+use crate::sink::ModuleRecord;
 use crate::symbols::elf::ElfImage;
+use crate::unwind::MappedImage;
 
 const INT3: u8 = 0xcc;
 
@@ -52,6 +54,33 @@ pub struct LoadedModule {
     pub bias: LoadBias,
     pub image: Arc<ElfImage>,
     pub is_main: bool,
+}
+
+impl LoadedModule {
+    /// The module as the unwinders need it.
+    pub fn mapped(&self) -> MappedImage {
+        MappedImage {
+            module_id: self.id,
+            image: self.image.clone(),
+            bias: self.bias,
+            range: self.range.clone(),
+            is_main: self.is_main,
+        }
+    }
+
+    /// The module's row in the database, for process `pid`, found at `now`.
+    pub fn record(&self, pid: Tid, now: u64) -> ModuleRecord {
+        ModuleRecord {
+            id: self.id,
+            pid: pid as u32,
+            path: self.path.clone(),
+            build_id: self.image.build_id.clone(),
+            start: self.range.start,
+            end: self.range.end,
+            base: self.bias.0,
+            loaded_ns: now,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
