@@ -14,6 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::detach::Stopping;
 use super::space::Space;
 use super::{Process, Progress, Role, TraceError, TraceOptions, Tracer, is_stopping_signal};
 use crate::os::procfs;
@@ -133,28 +134,15 @@ impl Tracer {
         }
         let mut resume = HashMap::new();
         while !waiting.is_empty() {
-            let (tid, stop) = match ptrace::wait_any() {
-                Ok(Some(found)) => found,
-                Ok(None) => continue,
-                Err(err) if ptrace::no_children(&err) => break,
-                Err(err) => return Err(err.into()),
-            };
-            if !self.threads.contains_key(&tid) {
-                // A thread born while attaching (auto-attached by
-                // PTRACE_O_TRACECLONE): its first stop, maybe before its
-                // parent's clone event. It stays stopped until the end.
-                match self.announced.remove(&tid) {
-                    Some(child) => {
-                        self.adopt_stopped(tid, child)?;
-                        resume.insert(tid, Resume::Cont(0));
-                    }
-                    None if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) => {
-                        self.early.insert(tid, stop);
-                    }
-                    None => {}
+            let (tid, stop) = match self.next_stop_while_stopping()? {
+                Stopping::Known(tid, stop) => (tid, stop),
+                Stopping::Adopted(tid) => {
+                    resume.insert(tid, Resume::Cont(0));
+                    continue;
                 }
-                continue;
-            }
+                Stopping::Nothing => continue,
+                Stopping::NoneLeft => break,
+            };
             match stop {
                 Stop::Exited(_) | Stop::Killed { .. } => {
                     waiting.remove(&tid);

@@ -14,6 +14,18 @@ use super::{Role, TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
 
+/// What [`Tracer::next_stop_while_stopping`] found.
+pub(super) enum Stopping {
+    /// A stop of a thread already known.
+    Known(Tid, Stop),
+    /// A new thread, adopted and left stopped.
+    Adopted(Tid),
+    /// Nothing to act on (an interrupted wait, a stop kept for later).
+    Nothing,
+    /// No traced thread is left.
+    NoneLeft,
+}
+
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
 pub(super) fn detach_running(tid: Tid) {
@@ -58,21 +70,11 @@ impl Tracer {
         }
         let mut deliver: HashMap<Tid, i32> = HashMap::new();
         while !waiting.is_empty() || !self.announced.is_empty() {
-            let (tid, stop) = match ptrace::wait_any() {
-                Ok(Some(found)) => found,
-                Ok(None) => continue,
-                Err(err) if ptrace::no_children(&err) => break,
-                Err(err) => return Err(err.into()),
+            let (tid, stop) = match self.next_stop_while_stopping()? {
+                Stopping::Known(tid, stop) => (tid, stop),
+                Stopping::Adopted(_) | Stopping::Nothing => continue,
+                Stopping::NoneLeft => break,
             };
-            if !self.threads.contains_key(&tid) {
-                // A new child: adopt it stopped (threads) or released (forks).
-                if let Some(child) = self.announced.remove(&tid) {
-                    self.adopt_stopped(tid, child)?;
-                } else if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
-                    self.early.insert(tid, stop);
-                }
-                continue;
-            }
             match stop {
                 Stop::Exited(_) | Stop::Killed { .. } => {
                     waiting.remove(&tid);
@@ -202,6 +204,31 @@ impl Tracer {
         self.threads.clear();
         self.processes.clear();
         Ok(())
+    }
+
+    /// While stopping every thread (to attach or detach): the next stop of a
+    /// known thread. A thread born meanwhile is adopted without being
+    /// resumed (a forked child is cleaned and released); the first stop of
+    /// one whose birth is not announced yet is kept for when it is.
+    pub(super) fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
+        let (tid, stop) = match ptrace::wait_any() {
+            Ok(Some(found)) => found,
+            Ok(None) => return Ok(Stopping::Nothing),
+            Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),
+            Err(err) => return Err(err.into()),
+        };
+        if self.threads.contains_key(&tid) {
+            return Ok(Stopping::Known(tid, stop));
+        }
+        if let Some(child) = self.announced.remove(&tid) {
+            self.adopt_stopped(tid, child)?;
+            if self.threads.contains_key(&tid) {
+                return Ok(Stopping::Adopted(tid));
+            }
+        } else if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
+            self.early.insert(tid, stop);
+        }
+        Ok(Stopping::Nothing)
     }
 
     /// True when the thread is stopped right after one of our int3s.
