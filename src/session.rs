@@ -15,6 +15,7 @@ use crate::error::Error;
 use crate::os::{launch, signals};
 use crate::program;
 use crate::progress::ProgressLine;
+use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::symbolize::Symbolizer;
 use crate::tracer::{Ending, Progress, TraceOptions, Tracer, signal_name};
@@ -26,6 +27,32 @@ pub fn run(config: Config) -> Result<i32, Error> {
     match config {
         Config::Launch { trace, program } => launch(trace, program),
         Config::Attach { .. } => Err(Error::Unsupported("attach is not written yet")),
+        Config::Report { trace, options } => {
+            report::run_report(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Flamegraph { trace, options } => {
+            report::run_flamegraph(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Plot { trace, options } => {
+            report::run_plot(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Export { trace, options } => {
+            report::run_export(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Window { trace, options } => {
+            if options.from_ns > options.to_ns {
+                return Err(Error::EmptyWindow {
+                    from: crate::report::text::seconds(options.from_ns as i64),
+                    to: crate::report::text::seconds(options.to_ns as i64),
+                });
+            }
+            report::run_window(&trace, &options)?;
+            Ok(0)
+        }
     }
 }
 
