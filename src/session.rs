@@ -231,10 +231,18 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
         }
     }
     let mut symbolizer = Symbolizer::new();
+    // A bar on a terminal: a program with large debug info takes seconds.
+    let total: usize = by_module.values().map(Vec::len).sum();
+    let bar = crate::progress::bar(total as u64, "naming code addresses");
     for (module_id, frames) in by_module {
         let Some(module) = result.modules.get(&module_id) else {
+            bar.inc(frames.len() as u64);
             continue;
         };
+        bar.set_message(format!(
+            "naming code addresses in {}",
+            crate::report::stacks::file_name(&module.path)
+        ));
         // Return addresses point after the call: look up the call itself.
         let probes: Vec<u64> = frames
             .iter()
@@ -251,7 +259,9 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
             })
             .collect();
         records.send(batch)?;
+        bar.inc(frames.len() as u64);
     }
+    bar.finish_and_clear();
     Ok(())
 }
 

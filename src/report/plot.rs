@@ -206,6 +206,8 @@ fn draw_on<DB: DrawingBackend>(
     let mut chart = ChartBuilder::on(&lower)
         .caption(caption, (FONT, 16))
         .margin(12)
+        // Room for the last size label, centred on the right edge.
+        .margin_right(36)
         .x_label_area_size(36)
         .y_label_area_size(64)
         .build_cartesian_2d(x_range.log_scale().base(2.0), (0.8f64..y_top).log_scale())
