@@ -298,6 +298,48 @@ fn window_classes_match_the_truth(variant: Variant) {
         })
         .collect();
     assert_eq!(found, truth, "{variant:?}");
+
+    // The query of docs/reports.md ("Time windows in SQL") agrees.
+    let mut stmt =
+        t.db.prepare(
+            "SELECT CASE WHEN alloc_ns >= :t0 THEN 'allocated-inside' ELSE 'allocated-before' END
+                    || '/' ||
+                    CASE WHEN free_ns <= :t1 THEN 'freed-inside' ELSE 'outstanding' END AS class,
+                    count(*) AS blocks, sum(size) AS bytes
+             FROM allocations
+             WHERE alloc_ns <= :t1 AND (free_ns IS NULL OR free_ns >= :t0)
+             GROUP BY class ORDER BY class",
+        )
+        .unwrap();
+    let by_sql: Vec<(String, u64, u64)> = stmt
+        .query_map(
+            rusqlite::named_params! {":t0": from as i64, ":t1": to as i64},
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get::<_, i64>(1)? as u64,
+                    r.get::<_, i64>(2)? as u64,
+                ))
+            },
+        )
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let mut by_command: Vec<(String, u64, u64)> = w["classes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["blocks"].as_u64().unwrap() > 0)
+        .map(|c| {
+            (
+                c["class"].as_str().unwrap().to_string(),
+                c["blocks"].as_u64().unwrap(),
+                c["bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    by_command.sort();
+    assert_eq!(by_sql, by_command, "{variant:?}");
 }
 
 #[test]
