@@ -154,6 +154,15 @@ impl Table {
     }
 }
 
+/// A module name in brackets; `[unknown]` and `[no stack]` already are.
+pub fn bracketed(module: &str) -> String {
+    if module.starts_with('[') {
+        module.to_string()
+    } else {
+        format!("[{module}]")
+    }
+}
+
 /// One line of a stack: `function (file:line)`, the file without its
 /// directories (the JSON output has the whole path).
 pub fn location(style: Style, l: &Location) -> String {
@@ -207,9 +216,18 @@ fn ranking(
             "  {:>2}. {}  {}",
             i + 1,
             label(row),
-            style.module(&format!("[{}]", row.module))
+            style.module(&bracketed(&row.module))
         );
         stack_lines(style, &row.frames, frames, out);
+    }
+}
+
+/// `Top 5 stacks`, `Top stack`.
+fn top_stacks(top: usize) -> String {
+    if top == 1 {
+        "Top stack".to_string()
+    } else {
+        format!("Top {top} stacks")
     }
 }
 
@@ -317,7 +335,7 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     let r = &summary.top;
     ranking(
         style,
-        &format!("Top {top} stacks by leaked bytes"),
+        &format!("{} by leaked bytes", top_stacks(top)),
         &r.leaked,
         frames,
         |s| {
@@ -331,7 +349,7 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     );
     ranking(
         style,
-        &format!("Top {top} stacks by bytes in use at the peak"),
+        &format!("{} by bytes in use at the peak", top_stacks(top)),
         &r.peak,
         frames,
         |s| {
@@ -345,7 +363,7 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     );
     ranking(
         style,
-        &format!("Top {top} stacks by allocation calls"),
+        &format!("{} by allocation calls", top_stacks(top)),
         &r.calls,
         frames,
         |s| {
@@ -359,7 +377,7 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     );
     ranking(
         style,
-        &format!("Top {top} stacks by temporary blocks"),
+        &format!("{} by temporary blocks", top_stacks(top)),
         &r.temporary,
         frames,
         |s| {

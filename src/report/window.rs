@@ -20,7 +20,7 @@ use serde::Serialize;
 
 use super::scan::{IdMap, for_each_event};
 use super::stacks::{Location, StackTable};
-use super::text::{Style, Table, bytes, count, counted, seconds, stack_lines};
+use super::text::{Style, Table, bracketed, bytes, count, counted, seconds, stack_lines};
 use super::{ReportError, Trace};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -257,7 +257,7 @@ pub fn render(w: &WindowReport, style: Style, frames: usize) -> String {
                 i + 1,
                 style.value(&bytes(s.bytes)),
                 counted(s.blocks, "block"),
-                style.module(&format!("[{}]", s.module))
+                style.module(&bracketed(&s.module))
             );
             stack_lines(style, &s.frames, frames, &mut out);
         }
