@@ -4,6 +4,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::report::ReportError;
 use crate::sink::SinkError;
 use crate::tracer::TraceError;
 
@@ -68,4 +69,10 @@ pub enum Error {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Io(#[from] io::Error),
+
+    // --- reading a trace ---
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error("--from ({from}) is after --to ({to}): give the window's start first")]
+    EmptyWindow { from: String, to: String },
 }

@@ -16,6 +16,7 @@ use crate::os::procfs;
 use crate::os::{launch, signals};
 use crate::program;
 use crate::progress::ProgressLine;
+use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::elf::{ElfError, check_header};
 use crate::symbols::symbolize::Symbolizer;
@@ -32,6 +33,32 @@ pub fn run(config: Config) -> Result<i32, Error> {
             pid,
             duration,
         } => attach(trace, pid, duration),
+        Config::Report { trace, options } => {
+            report::run_report(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Flamegraph { trace, options } => {
+            report::run_flamegraph(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Plot { trace, options } => {
+            report::run_plot(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Export { trace, options } => {
+            report::run_export(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Window { trace, options } => {
+            if options.from_ns > options.to_ns {
+                return Err(Error::EmptyWindow {
+                    from: crate::report::text::seconds(options.from_ns as i64),
+                    to: crate::report::text::seconds(options.to_ns as i64),
+                });
+            }
+            report::run_window(&trace, &options)?;
+            Ok(0)
+        }
     }
 }
 
@@ -349,10 +376,18 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
         }
     }
     let mut symbolizer = Symbolizer::new();
+    // A bar on a terminal: a program with large debug info takes seconds.
+    let total: usize = by_module.values().map(Vec::len).sum();
+    let bar = crate::progress::bar(total as u64, "naming code addresses");
     for (module_id, frames) in by_module {
         let Some(module) = result.modules.get(&module_id) else {
+            bar.inc(frames.len() as u64);
             continue;
         };
+        bar.set_message(format!(
+            "naming code addresses in {}",
+            crate::report::stacks::file_name(&module.path)
+        ));
         // Return addresses point after the call: look up the call itself.
         let probes: Vec<u64> = frames
             .iter()
@@ -369,7 +404,9 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
             })
             .collect();
         records.send(batch)?;
+        bar.inc(frames.len() as u64);
     }
+    bar.finish_and_clear();
     Ok(())
 }
 

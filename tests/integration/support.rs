@@ -33,8 +33,9 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 9] = [
-    "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn",
+const TRACEES: [&str; 11] = [
+    "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
+    "ticker",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
@@ -215,8 +216,17 @@ pub fn memptrace() -> Command {
     Command::new(env!("CARGO_BIN_EXE_memptrace"))
 }
 
-/// Run a command to its end with stdin from `input`, within the time limit.
-pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
+/// A command started by [`spawn`], its output being collected.
+pub struct Running {
+    pub child: Child,
+    writer: std::thread::JoinHandle<()>,
+    out: std::thread::JoinHandle<Vec<u8>>,
+    err: std::thread::JoinHandle<Vec<u8>>,
+    what: String,
+}
+
+/// Start a command with stdin from `input`, collecting its output.
+pub fn spawn(cmd: &mut Command, input: &[u8]) -> Running {
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -239,23 +249,47 @@ pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
         let _ = stderr.read_to_end(&mut s);
         s
     });
-    let deadline = Instant::now() + TIME_LIMIT;
-    let status = loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{cmd:?} did not finish within {TIME_LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let _ = writer.join();
-    Run {
-        status,
-        stdout: String::from_utf8_lossy(&out.join().unwrap()).into_owned(),
-        stderr: String::from_utf8_lossy(&err.join().unwrap()).into_owned(),
+    Running {
+        child,
+        writer,
+        out,
+        err,
+        what: format!("{cmd:?}"),
     }
+}
+
+impl Running {
+    /// True while the command runs.
+    pub fn running(&mut self) -> bool {
+        self.child.0.try_wait().unwrap().is_none()
+    }
+
+    /// Wait for the end, within the time limit.
+    pub fn finish(mut self) -> Run {
+        let deadline = Instant::now() + TIME_LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {TIME_LIMIT:?}",
+                self.what
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = self.writer.join();
+        Run {
+            status,
+            stdout: String::from_utf8_lossy(&self.out.join().unwrap()).into_owned(),
+            stderr: String::from_utf8_lossy(&self.err.join().unwrap()).into_owned(),
+        }
+    }
+}
+
+/// Run a command to its end with stdin from `input`, within the time limit.
+pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
+    spawn(cmd, input).finish()
 }
 
 /// A process running in the background, its stdout collected line by line.

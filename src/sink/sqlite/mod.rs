@@ -24,6 +24,7 @@ use rusqlite::{Connection, params};
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::{Event, Op};
 use open_blocks::OpenBlocks;
+pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 
 /// Events inserted by one multi-row statement: SQLite's per-statement cost
 /// (step, reset, the statement cache) is paid once per chunk. 256 rows of 8

@@ -30,12 +30,14 @@ fn creates_the_schema() {
         "frame_lines",
         "frame_text",
         "frames",
+        "heap_over_time",
         "leaks",
         "meta",
         "modules",
         "ops",
         "stack_text",
         "stacks",
+        "temporary",
         "threads",
     ] {
         assert!(
