@@ -8,6 +8,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::report::{
+    Color, ExportOptions, FlamegraphOptions, Format, Metric, PlotOptions, ReportOptions,
+    WindowOptions,
+};
 use crate::unwind::UnwinderKind;
 
 #[derive(Debug, Parser)]
@@ -20,7 +24,7 @@ memptrace runs PROGRAM under ptrace (or attaches to a running process), plants b
 malloc, calloc, realloc, free and the rest of the allocator API in every ELF image (static \
 binaries included), and writes each call to a SQLite database. Query it with sqlite3; see \
 docs/queries.md.",
-    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
+    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true
 )]
@@ -41,6 +45,184 @@ pub enum Command {
     /// Trace a running process until Ctrl-C, --duration or its exit; then
     /// detach and leave it running.
     Attach(AttachArgs),
+    /// Summarise a trace: calls per function, peak heap, leaks, the top
+    /// stacks by leaked bytes, peak, calls and temporary blocks, and totals
+    /// per thread and per module.
+    Report(ReportArgs),
+    /// Draw a flame graph of the stacks (SVG), weighed by a metric.
+    Flamegraph(FlamegraphArgs),
+    /// Plot the heap in use over time, with its peak, and the sizes
+    /// requested (SVG or PNG, by the file's extension).
+    Plot(PlotArgs),
+    /// Write a pprof heap profile and/or folded stacks.
+    Export(ExportArgs),
+    /// Classify the blocks live during a window of time, with the bytes
+    /// per stack: allocated inside or before it, freed inside it or not.
+    Window(WindowArgs),
+}
+
+/// The trace a report reads.
+#[derive(Debug, Clone, Args)]
+pub struct TraceFile {
+    /// The trace database to read.
+    #[arg(value_name = "TRACE", default_value = "trace.db")]
+    pub trace: PathBuf,
+}
+
+/// How a report is shown.
+#[derive(Debug, Clone, Args)]
+pub struct ViewArgs {
+    /// Text for people, or JSON for scripts.
+    #[arg(long, value_enum, default_value_t = FormatArg::Text)]
+    pub format: FormatArg,
+
+    /// Stacks listed per ranking, and rows per table.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub top: u32,
+
+    /// Frames shown per stack (text).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub frames: u32,
+
+    /// When to colour the text.
+    #[arg(long, value_enum, default_value_t = ColorArg::Auto)]
+    pub color: ColorArg,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReportArgs {
+    #[command(flatten)]
+    pub file: TraceFile,
+
+    #[command(flatten)]
+    pub view: ViewArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct FlamegraphArgs {
+    #[command(flatten)]
+    pub file: TraceFile,
+
+    /// The SVG file to write.
+    #[arg(short, long, value_name = "PATH", default_value = "flamegraph.svg")]
+    pub output: PathBuf,
+
+    /// What each stack is weighed by.
+    #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
+    pub metric: MetricArg,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PlotArgs {
+    #[command(flatten)]
+    pub file: TraceFile,
+
+    /// The picture to write: .svg or .png.
+    #[arg(short, long, value_name = "PATH", default_value = "heap.svg")]
+    pub output: PathBuf,
+
+    /// Width and height in pixels.
+    #[arg(long, value_name = "WxH", default_value = "1200x900", value_parser = parse_size)]
+    pub size: (u32, u32),
+}
+
+#[derive(Debug, Clone, Args)]
+#[command(group = clap::ArgGroup::new("outputs").required(true).multiple(true))]
+pub struct ExportArgs {
+    #[command(flatten)]
+    pub file: TraceFile,
+
+    /// Write a gzipped pprof profile (alloc_objects, alloc_space,
+    /// inuse_objects, inuse_space).
+    #[arg(long, value_name = "PATH", group = "outputs")]
+    pub pprof: Option<PathBuf>,
+
+    /// Write folded stacks, one `outer;...;inner value` line per stack.
+    #[arg(long, value_name = "PATH", group = "outputs")]
+    pub collapsed: Option<PathBuf>,
+
+    /// What the folded stacks are weighed by.
+    #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
+    pub metric: MetricArg,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct WindowArgs {
+    #[command(flatten)]
+    pub file: TraceFile,
+
+    /// Start of the window, since the trace started: seconds, or a number
+    /// with a unit (250ms, 1.5s, 300us, 42ns).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub from: u64,
+
+    /// End of the window (included), in the same units.
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub to: u64,
+
+    #[command(flatten)]
+    pub view: ViewArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ColorArg {
+    /// On a terminal, unless NO_COLOR is set.
+    Auto,
+    Always,
+    Never,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MetricArg {
+    /// Bytes never freed while traced.
+    Leaked,
+    /// Bytes requested by every allocation.
+    Allocated,
+    /// Calls to the allocating functions.
+    Calls,
+    /// Bytes in use at the heap's peak.
+    Peak,
+}
+
+/// `1.5`, `1.5s`, `250ms`, `300us`, `42ns`: nanoseconds.
+fn parse_time(text: &str) -> Result<u64, String> {
+    let (number, scale) = if let Some(n) = text.strip_suffix("ns") {
+        (n, 1.0)
+    } else if let Some(n) = text.strip_suffix("us").or_else(|| text.strip_suffix("µs")) {
+        (n, 1e3)
+    } else if let Some(n) = text.strip_suffix("ms") {
+        (n, 1e6)
+    } else if let Some(n) = text.strip_suffix('s') {
+        (n, 1e9)
+    } else {
+        (text, 1e9)
+    };
+    let value: f64 = number.trim().parse().map_err(|_| {
+        format!("{text:?} is not a time; give seconds (1.5) or a unit: 1.5s, 250ms, 300us, 42ns")
+    })?;
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(format!("{text:?}: give a time of 0 or more"));
+    }
+    Ok((value * scale).round() as u64)
+}
+
+/// `1200x900`.
+fn parse_size(text: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{text:?}: give the size as WIDTHxHEIGHT in pixels, e.g. 1200x900");
+    let (w, h) = text.split_once(['x', 'X']).ok_or_else(bad)?;
+    let (w, h): (u32, u32) = (w.parse().map_err(|_| bad())?, h.parse().map_err(|_| bad())?);
+    if !(200..=20_000).contains(&w) || !(200..=20_000).contains(&h) {
+        return Err(format!(
+            "{text:?}: width and height go from 200 to 20000 pixels"
+        ));
+    }
+    Ok((w, h))
 }
 
 #[derive(Debug, Clone, Args)]
@@ -95,6 +277,10 @@ pub struct TraceArgs {
     #[arg(long, value_name = "N", default_value_t = 1, conflicts_with = "no_stacks",
           value_parser = clap::value_parser!(u64).range(1..))]
     pub stack_every: u64,
+    /// Trace forked children too, into the same database (without it they
+    /// are released unharmed).
+    #[arg(short = 'f', long)]
+    pub follow_forks: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -117,6 +303,26 @@ pub enum Config {
         pid: i32,
         duration: Option<Duration>,
     },
+    Report {
+        trace: PathBuf,
+        options: ReportOptions,
+    },
+    Flamegraph {
+        trace: PathBuf,
+        options: FlamegraphOptions,
+    },
+    Plot {
+        trace: PathBuf,
+        options: PlotOptions,
+    },
+    Export {
+        trace: PathBuf,
+        options: ExportOptions,
+    },
+    Window {
+        trace: PathBuf,
+        options: WindowOptions,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +334,7 @@ pub struct TraceConfig {
     pub stacks: bool,
     /// Take a full stack for every Nth call of each call site (1: all).
     pub stack_every: u64,
+    pub follow_forks: bool,
 }
 
 impl From<TraceArgs> for TraceConfig {
@@ -142,6 +349,36 @@ impl From<TraceArgs> for TraceConfig {
             },
             stacks: !a.no_stacks,
             stack_every: a.stack_every,
+            follow_forks: a.follow_forks,
+        }
+    }
+}
+
+impl From<ViewArgs> for ReportOptions {
+    fn from(v: ViewArgs) -> ReportOptions {
+        ReportOptions {
+            format: match v.format {
+                FormatArg::Text => Format::Text,
+                FormatArg::Json => Format::Json,
+            },
+            color: match v.color {
+                ColorArg::Auto => Color::Auto,
+                ColorArg::Always => Color::Always,
+                ColorArg::Never => Color::Never,
+            },
+            top: v.top as usize,
+            frames: v.frames as usize,
+        }
+    }
+}
+
+impl From<MetricArg> for Metric {
+    fn from(m: MetricArg) -> Metric {
+        match m {
+            MetricArg::Leaked => Metric::Leaked,
+            MetricArg::Allocated => Metric::Allocated,
+            MetricArg::Calls => Metric::Calls,
+            MetricArg::Peak => Metric::Peak,
         }
     }
 }
@@ -157,6 +394,41 @@ impl Cli {
                 trace: a.trace.into(),
                 pid: a.pid,
                 duration: a.duration,
+            },
+            Some(Command::Report(a)) => Config::Report {
+                trace: a.file.trace,
+                options: a.view.into(),
+            },
+            Some(Command::Flamegraph(a)) => Config::Flamegraph {
+                trace: a.file.trace,
+                options: FlamegraphOptions {
+                    output: a.output,
+                    metric: a.metric.into(),
+                },
+            },
+            Some(Command::Plot(a)) => Config::Plot {
+                trace: a.file.trace,
+                options: PlotOptions {
+                    output: a.output,
+                    width: a.size.0,
+                    height: a.size.1,
+                },
+            },
+            Some(Command::Export(a)) => Config::Export {
+                trace: a.file.trace,
+                options: ExportOptions {
+                    pprof: a.pprof,
+                    collapsed: a.collapsed,
+                    metric: a.metric.into(),
+                },
+            },
+            Some(Command::Window(a)) => Config::Window {
+                trace: a.file.trace,
+                options: WindowOptions {
+                    from_ns: a.from,
+                    to_ns: a.to,
+                    report: a.view.into(),
+                },
             },
         }
     }
@@ -284,6 +556,159 @@ mod tests {
         );
         assert!(parse(&["memptrace", "attach", "1", "--duration", "-1"]).is_err());
         assert!(parse(&["memptrace", "attach", "1", "--", "ls"]).is_err());
+    }
+
+    #[test]
+    fn report_options() {
+        let Ok(Config::Report { trace, options }) = parse(&["memptrace", "report"]) else {
+            panic!("not a report");
+        };
+        assert_eq!(trace, PathBuf::from("trace.db"));
+        assert_eq!(
+            options,
+            ReportOptions {
+                format: Format::Text,
+                color: Color::Auto,
+                top: 5,
+                frames: 8
+            }
+        );
+        let Ok(Config::Report { trace, options }) = parse(&[
+            "memptrace",
+            "report",
+            "x.db",
+            "--format",
+            "json",
+            "--top",
+            "3",
+            "--frames",
+            "2",
+            "--color",
+            "never",
+        ]) else {
+            panic!("not a report");
+        };
+        assert_eq!(trace, PathBuf::from("x.db"));
+        assert_eq!(
+            options,
+            ReportOptions {
+                format: Format::Json,
+                color: Color::Never,
+                top: 3,
+                frames: 2
+            }
+        );
+        assert!(parse(&["memptrace", "report", "--top", "0"]).is_err());
+        assert!(parse(&["memptrace", "report", "--format", "xml"]).is_err());
+        // A program called `report` is still a program after `--`.
+        assert!(matches!(
+            parse(&["memptrace", "--", "report"]),
+            Ok(Config::Launch { .. })
+        ));
+    }
+
+    #[test]
+    fn picture_options() {
+        let Ok(Config::Flamegraph { trace, options }) = parse(&[
+            "memptrace",
+            "flamegraph",
+            "t.db",
+            "-o",
+            "f.svg",
+            "--metric",
+            "leaked",
+        ]) else {
+            panic!("not a flamegraph");
+        };
+        assert_eq!(trace, PathBuf::from("t.db"));
+        assert_eq!(options.output, PathBuf::from("f.svg"));
+        assert_eq!(options.metric, Metric::Leaked);
+        let Ok(Config::Flamegraph { options, .. }) = parse(&["memptrace", "flamegraph"]) else {
+            panic!("not a flamegraph");
+        };
+        assert_eq!(
+            (options.output, options.metric),
+            (PathBuf::from("flamegraph.svg"), Metric::Allocated)
+        );
+        assert!(parse(&["memptrace", "flamegraph", "--metric", "speed"]).is_err());
+
+        let Ok(Config::Plot { options, .. }) =
+            parse(&["memptrace", "plot", "-o", "h.png", "--size", "800x600"])
+        else {
+            panic!("not a plot");
+        };
+        assert_eq!(
+            options,
+            PlotOptions {
+                output: PathBuf::from("h.png"),
+                width: 800,
+                height: 600
+            }
+        );
+        assert!(parse(&["memptrace", "plot", "--size", "800"]).is_err());
+        assert!(parse(&["memptrace", "plot", "--size", "10x10"]).is_err());
+    }
+
+    #[test]
+    fn export_options() {
+        let Ok(Config::Export { options, .. }) = parse(&[
+            "memptrace",
+            "export",
+            "--pprof",
+            "p.pb.gz",
+            "--collapsed",
+            "c.txt",
+        ]) else {
+            panic!("not an export");
+        };
+        assert_eq!(options.pprof, Some(PathBuf::from("p.pb.gz")));
+        assert_eq!(options.collapsed, Some(PathBuf::from("c.txt")));
+        assert_eq!(options.metric, Metric::Allocated);
+        assert!(
+            parse(&["memptrace", "export", "t.db"]).is_err(),
+            "an output is required"
+        );
+    }
+
+    #[test]
+    fn window_options() {
+        let Ok(Config::Window { trace, options }) = parse(&[
+            "memptrace",
+            "window",
+            "t.db",
+            "--from",
+            "1.5",
+            "--to",
+            "2500ms",
+            "--format",
+            "json",
+        ]) else {
+            panic!("not a window");
+        };
+        assert_eq!(trace, PathBuf::from("t.db"));
+        assert_eq!(
+            (options.from_ns, options.to_ns),
+            (1_500_000_000, 2_500_000_000)
+        );
+        assert_eq!(options.report.format, Format::Json);
+        assert!(
+            parse(&["memptrace", "window", "--from", "1"]).is_err(),
+            "--to is required"
+        );
+        assert!(parse(&["memptrace", "window", "--from", "-1", "--to", "2"]).is_err());
+    }
+
+    #[test]
+    fn times_with_units() {
+        assert_eq!(parse_time("2"), Ok(2_000_000_000));
+        assert_eq!(parse_time("0.25s"), Ok(250_000_000));
+        assert_eq!(parse_time("250ms"), Ok(250_000_000));
+        assert_eq!(parse_time("300us"), Ok(300_000));
+        assert_eq!(parse_time("300µs"), Ok(300_000));
+        assert_eq!(parse_time("42ns"), Ok(42));
+        assert!(parse_time("soon").is_err());
+        assert!(parse_time("-1s").is_err());
+        assert!(parse_time("infs").is_err());
     }
 
     #[test]

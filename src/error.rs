@@ -4,6 +4,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use crate::report::ReportError;
 use crate::sink::SinkError;
 use crate::tracer::TraceError;
 
@@ -40,6 +41,27 @@ pub enum Error {
     )]
     PtraceDenied(io::Error),
 
+    // --- the process to attach to ---
+    #[error("no process {0} (it may have exited; see `ps`)")]
+    NoSuchProcess(i32),
+    #[error(
+        "process {pid} is already traced by process {tracer} ({name}): detach that debugger or tracer first ({source})"
+    )]
+    AlreadyTraced {
+        pid: i32,
+        tracer: i32,
+        name: String,
+        source: io::Error,
+    },
+    #[error(
+        "not permitted to trace process {pid} ({source}); run memptrace as its owner or as root, and check kernel.yama.ptrace_scope (1 allows tracing only your own children: set it to 0, or give memptrace the CAP_SYS_PTRACE capability)"
+    )]
+    AttachDenied { pid: i32, source: io::Error },
+    #[error(
+        "process {0}: no allocator symbol (malloc, free, ...) in any of its images (a stripped static binary?); nothing to trace, the process was left as it was"
+    )]
+    NoAllocatorInProcess(i32),
+
     // --- while tracing ---
     #[error("{0}")]
     Trace(#[from] TraceError),
@@ -47,6 +69,10 @@ pub enum Error {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Io(#[from] io::Error),
-    #[error("{0}")]
-    Unsupported(&'static str),
+
+    // --- reading a trace ---
+    #[error(transparent)]
+    Report(#[from] ReportError),
+    #[error("--from ({from}) is after --to ({to}): give the window's start first")]
+    EmptyWindow { from: String, to: String },
 }

@@ -12,6 +12,9 @@
 //! 3. [`unwind`] turns a stack snapshot into return addresses and interns stacks.
 //! 4. [`sink`] stores [`event::Event`]s and the rest on a thread of its own (SQLite).
 //! 5. [`symbols`] names each unique code address once, at the end of the trace.
+//!
+//! [`report`] reads a trace database back (read-only): text and JSON
+//! summaries, flame graphs, plots, pprof profiles and time windows.
 
 pub mod addr;
 pub mod cli;
@@ -20,6 +23,7 @@ pub mod event;
 pub mod os;
 pub mod program;
 pub mod progress;
+pub mod report;
 pub mod session;
 pub mod sink;
 pub mod symbols;

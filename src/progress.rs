@@ -1,5 +1,6 @@
-//! The live progress line: events recorded, events per second, live heap.
-//! Drawn on a terminal only; memptrace is silent on a pipe.
+//! Progress on a terminal: the live line of a trace (events recorded, events
+//! per second, live heap) and bars for long work after it (symbolization,
+//! reports). Drawn on a terminal only; memptrace is silent on a pipe.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -74,4 +75,21 @@ fn draw(progress: Arc<Progress>, stop: Arc<AtomicBool>) {
         bar.tick();
     }
     bar.finish_and_clear();
+}
+
+/// A bar for work of known length (the passes of a report, symbolization):
+/// drawn on a terminal, hidden (and free) when stderr is not one. Call
+/// `finish_and_clear` when done.
+pub fn bar(len: u64, message: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("memptrace: {msg} [{bar:30}] {percent:>3}% {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(message.to_string());
+    bar
 }

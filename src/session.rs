@@ -8,16 +8,19 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::cli::{Config, TraceConfig};
 use crate::error::Error;
-use crate::os::{launch, procfs, signals};
+use crate::os::procfs;
+use crate::os::{launch, signals};
 use crate::program;
 use crate::progress::ProgressLine;
+use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
+use crate::symbols::elf::{ElfError, check_header};
 use crate::symbols::symbolize::Symbolizer;
-use crate::tracer::{Ending, Progress, TraceOptions, Tracer, signal_name};
+use crate::tracer::{Ending, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
 
@@ -25,35 +28,49 @@ use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
 pub fn run(config: Config) -> Result<i32, Error> {
     match config {
         Config::Launch { trace, program } => launch(trace, program),
-        Config::Attach { .. } => Err(Error::Unsupported("attach is not written yet")),
+        Config::Attach {
+            trace,
+            pid,
+            duration,
+        } => attach(trace, pid, duration),
+        Config::Report { trace, options } => {
+            report::run_report(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Flamegraph { trace, options } => {
+            report::run_flamegraph(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Plot { trace, options } => {
+            report::run_plot(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Export { trace, options } => {
+            report::run_export(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Window { trace, options } => {
+            if options.from_ns > options.to_ns {
+                return Err(Error::EmptyWindow {
+                    from: crate::report::text::seconds(options.from_ns as i64),
+                    to: crate::report::text::seconds(options.to_ns as i64),
+                });
+            }
+            report::run_window(&trace, &options)?;
+            Ok(0)
+        }
     }
 }
 
 fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
     let program = program::resolve(&args[0])?;
     program::check(&program)?;
-    let mut sink = create_output(&config.output, config.force)?;
-
-    let started = SystemTime::now();
-    let clock = Instant::now();
     let command = args
         .iter()
         .map(|a| a.to_string_lossy().into_owned())
         .collect::<Vec<_>>()
         .join(" ");
-    let meta = [
-        ("command", command),
-        ("mode", "launch".to_string()),
-        ("started_at", rfc3339(started)),
-        ("version", env!("CARGO_PKG_VERSION").to_string()),
-        ("unwinder", unwinder_name(&config)),
-        ("max_depth", config.max_depth.to_string()),
-        ("stack_every", config.stack_every.to_string()),
-    ];
-    for (key, value) in meta {
-        sink.write(&meta_record(key, value))?;
-    }
-    sink.commit()?;
+    let sink = start_output(&config, &command, "launch")?;
 
     // Signals first, threads after: the threads inherit the blocked mask.
     signals::install()?;
@@ -72,80 +89,235 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             });
         }
     };
-    let recorder = Recorder::spawn(Box::new(sink));
-    let records = recorder.sender();
-    records.send(vec![meta_record("pid", child.pid.to_string())])?;
-    let pipeline = PipelineHandle::spawn(
-        records.clone(),
-        config.stacks && config.unwinder == UnwinderKind::Framehop,
-        config.stacks,
-        config.max_depth,
-    );
-
-    let progress = Arc::new(Progress::default());
-    let line = ProgressLine::start(progress.clone());
-    let options = TraceOptions {
-        max_depth: config.max_depth,
-        unwinder: config.unwinder,
-        stacks: config.stacks,
-        stack_every: config.stack_every,
-    };
-    let tracer = Tracer::new(options, pipeline, child.pid, clock, progress)?;
-    signals::unblock_here(std::time::Duration::from_millis(100))?;
-    let traced = tracer.run();
-    signals::quiesce();
-    line.finish();
-    let (ending, stats, pipeline) = traced?;
-
+    let recording = Recording::start(sink, child.pid)?;
+    let tracer = Tracer::new(
+        options(&config, None),
+        recording.pipeline(&config),
+        child.pid,
+        recording.clock,
+        recording.progress.clone(),
+    )?;
+    let (ending, stats, pipeline) = recording.trace(tracer)?;
     if ending == Ending::Exited(127) {
         if let Some(err) = child.exec_error() {
-            // The program never ran: no trace of it is worth keeping. Every
-            // sender goes before the recorder, which waits for them all.
+            // The program never ran: no trace of it is worth keeping.
             drop(pipeline);
-            drop(records);
-            drop(recorder);
-            discard(&config.output);
+            recording.abandon(&config.output);
             return Err(Error::Exec {
                 path: program,
                 source: err,
             });
         }
     }
-
-    let result = pipeline.finish()?;
-    symbolize(&result, &records)?;
-
     let status = exit_status(&ending);
-    let mut end = vec![
-        ("ended_at", rfc3339(SystemTime::now())),
-        ("exit_status", status.to_string()),
-        ("end_reason", end_reason(&ending)),
-        ("events", result.events.to_string()),
-        ("images", stats.images.to_string()),
-        ("housekeeping_frees", result.housekeeping_frees.to_string()),
-        ("nested_calls", stats.nested_calls.to_string()),
-        ("lost_returns", stats.lost_returns.to_string()),
-        ("duration_ns", clock.elapsed().as_nanos().to_string()),
-    ];
-    if let Some(kib) = procfs::own_peak_rss_kib() {
-        end.push(("peak_rss_kib", kib.to_string()));
-    }
-    if let Ending::Killed { sig, .. } = ending {
-        end.push(("exit_signal", signal_name(sig)));
-    }
-    if stats.hooked_functions == 0 {
-        eprintln!(
-            "memptrace: warning: no allocator function found in any image; nothing was recorded"
-        );
-        end.push(("warning", "no allocator function found".to_string()));
-    }
-    for warning in &stats.warnings {
-        eprintln!("memptrace: warning: {warning}");
-    }
-    records.send(end.into_iter().map(|(k, v)| meta_record(k, v)).collect())?;
-    drop(records);
-    recorder.finish()?;
+    recording.finish(&ending, status, &stats, pipeline)?;
     Ok(status)
+}
+
+fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i32, Error> {
+    if procfs::tgid(pid).is_none() {
+        return Err(Error::NoSuchProcess(pid));
+    }
+    if let Some(exe) = procfs::exe(pid) {
+        let mut head = [0u8; 64];
+        let n = std::fs::File::open(&exe)
+            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+            .unwrap_or(0);
+        match check_header(&head[..n]) {
+            Err(ElfError::Not64Bit) => return Err(Error::Not64Bit(exe)),
+            Err(err @ ElfError::WrongMachine(_)) => {
+                return Err(Error::WrongMachine {
+                    path: exe,
+                    reason: err.to_string(),
+                });
+            }
+            _ => {}
+        }
+    }
+    let command = procfs::cmdline(pid).unwrap_or_default();
+    let sink = start_output(&config, &command, "attach")?;
+    signals::install()?;
+    let recording = Recording::start(sink, pid)?;
+    let tracer = match Tracer::attach(
+        options(&config, duration),
+        recording.pipeline(&config),
+        pid,
+        recording.clock,
+        recording.progress.clone(),
+    ) {
+        Ok(tracer) => tracer,
+        Err(err) => {
+            recording.abandon(&config.output);
+            return Err(attach_error(err));
+        }
+    };
+    let (ending, stats, pipeline) = recording.trace(tracer)?;
+    // Detached as asked, memptrace did its job: 0. The process ending
+    // during the trace is reported as a launched program's end would be.
+    let status = match ending {
+        Ending::Detached { .. } => 0,
+        _ => exit_status(&ending),
+    };
+    recording.finish(&ending, status, &stats, pipeline)?;
+    Ok(status)
+}
+
+fn attach_error(err: TraceError) -> Error {
+    match err {
+        TraceError::NoSuchProcess(pid) => Error::NoSuchProcess(pid),
+        TraceError::Denied {
+            pid,
+            source,
+            tracer: Some(tracer),
+        } => Error::AlreadyTraced {
+            pid,
+            tracer,
+            name: procfs::cmdline(tracer).unwrap_or_default(),
+            source,
+        },
+        TraceError::Denied {
+            pid,
+            source,
+            tracer: None,
+        } => Error::AttachDenied { pid, source },
+        TraceError::NoAllocator(pid) => Error::NoAllocatorInProcess(pid),
+        other => Error::Trace(other),
+    }
+}
+
+fn options(config: &TraceConfig, duration: Option<Duration>) -> TraceOptions {
+    TraceOptions {
+        max_depth: config.max_depth,
+        unwinder: config.unwinder,
+        stacks: config.stacks,
+        stack_every: config.stack_every,
+        follow_forks: config.follow_forks,
+        duration,
+    }
+}
+
+/// Create the database with the `meta` rows of the start, committed: from
+/// the first moment it exists, a trace says what it is.
+fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<SqliteSink, Error> {
+    let mut sink = create_output(&config.output, config.force)?;
+    let meta = [
+        ("command", command.to_string()),
+        ("mode", mode.to_string()),
+        ("started_at", rfc3339(SystemTime::now())),
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ("unwinder", unwinder_name(config)),
+        ("max_depth", config.max_depth.to_string()),
+        ("stack_every", config.stack_every.to_string()),
+        ("follow_forks", config.follow_forks.to_string()),
+    ];
+    let written = meta
+        .into_iter()
+        .try_for_each(|(key, value)| sink.write(&meta_record(key, value)))
+        .and_then(|()| sink.commit());
+    if let Err(err) = written {
+        drop(sink);
+        discard(&config.output);
+        return Err(Error::OutputUnwritable {
+            path: config.output.clone(),
+            source: std::io::Error::other(err.to_string()),
+        });
+    }
+    Ok(sink)
+}
+
+/// A trace being recorded: the recorder thread and what the session needs
+/// to end it.
+struct Recording {
+    recorder: Recorder,
+    records: RecordSender,
+    clock: Instant,
+    progress: Arc<Progress>,
+}
+
+impl Recording {
+    fn start(sink: SqliteSink, pid: i32) -> Result<Recording, Error> {
+        let recorder = Recorder::spawn(Box::new(sink));
+        let records = recorder.sender();
+        records.send(vec![meta_record("pid", pid.to_string())])?;
+        Ok(Recording {
+            recorder,
+            records,
+            clock: Instant::now(),
+            progress: Arc::new(Progress::default()),
+        })
+    }
+
+    /// The pipeline thread between the tracer and the recorder.
+    fn pipeline(&self, config: &TraceConfig) -> PipelineHandle {
+        PipelineHandle::spawn(
+            self.records.clone(),
+            config.stacks && config.unwinder == UnwinderKind::Framehop,
+            config.stacks,
+            config.max_depth,
+        )
+    }
+
+    /// Run the tracer to its end, with the progress line and memptrace's own
+    /// signals live meanwhile.
+    fn trace(&self, tracer: Tracer) -> Result<(Ending, TraceStats, PipelineHandle), Error> {
+        let line = ProgressLine::start(self.progress.clone());
+        signals::unblock_here(Duration::from_millis(100))?;
+        let traced = tracer.run();
+        signals::quiesce();
+        line.finish();
+        Ok(traced?)
+    }
+
+    /// Nothing worth keeping was traced: close and remove the database.
+    /// Every sender goes before the recorder, which waits for them all.
+    fn abandon(self, output: &Path) {
+        drop(self.records);
+        drop(self.recorder);
+        discard(output);
+    }
+
+    /// Name the frames, write the `meta` rows of the end, close the database.
+    fn finish(
+        self,
+        ending: &Ending,
+        status: i32,
+        stats: &TraceStats,
+        pipeline: PipelineHandle,
+    ) -> Result<(), Error> {
+        let result = pipeline.finish()?;
+        symbolize(&result, &self.records)?;
+        let mut end = vec![
+            ("ended_at", rfc3339(SystemTime::now())),
+            ("exit_status", status.to_string()),
+            ("end_reason", end_reason(ending)),
+            ("events", result.events.to_string()),
+            ("images", stats.images.to_string()),
+            ("housekeeping_frees", result.housekeeping_frees.to_string()),
+            ("nested_calls", stats.nested_calls.to_string()),
+            ("lost_returns", stats.lost_returns.to_string()),
+            ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
+        ];
+        if let Some(kib) = procfs::own_peak_rss_kib() {
+            end.push(("peak_rss_kib", kib.to_string()));
+        }
+        if let Ending::Killed { sig, .. } = ending {
+            end.push(("exit_signal", signal_name(*sig)));
+        }
+        if stats.hooked_functions == 0 {
+            eprintln!(
+                "memptrace: warning: no allocator function found in any image; nothing was recorded"
+            );
+            end.push(("warning", "no allocator function found".to_string()));
+        }
+        for warning in &stats.warnings {
+            eprintln!("memptrace: warning: {warning}");
+        }
+        self.records
+            .send(end.into_iter().map(|(k, v)| meta_record(k, v)).collect())?;
+        drop(self.records);
+        self.recorder.finish()?;
+        Ok(())
+    }
 }
 
 /// Create the database, refusing to mix a new trace into an existing file.
@@ -209,10 +381,18 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
         }
     }
     let mut symbolizer = Symbolizer::new();
+    // A bar on a terminal: a program with large debug info takes seconds.
+    let total: usize = by_module.values().map(Vec::len).sum();
+    let bar = crate::progress::bar(total as u64, "naming code addresses");
     for (module_id, frames) in by_module {
         let Some(module) = result.modules.get(&module_id) else {
+            bar.inc(frames.len() as u64);
             continue;
         };
+        bar.set_message(format!(
+            "naming code addresses in {}",
+            crate::report::stacks::file_name(&module.path)
+        ));
         // Return addresses point after the call: look up the call itself.
         let probes: Vec<u64> = frames
             .iter()
@@ -229,7 +409,9 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
             })
             .collect();
         records.send(batch)?;
+        bar.inc(frames.len() as u64);
     }
+    bar.finish_and_clear();
     Ok(())
 }
 

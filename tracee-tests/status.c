@@ -1,12 +1,13 @@
 /* Ends as asked: `status exit N` exits with N, `status signal N` kills itself
- * with signal N, `status abort` calls abort(). It allocates first, so the
- * trace is not empty. */
+ * with signal N, `status abort` calls abort(), `status segv` writes through
+ * a null pointer. It allocates first, so the trace is not empty. */
 #include <signal.h>
 #include <string.h>
 
 #include "truth.h"
 
 void *volatile truth_sink;
+static void *volatile truth_sink_null;
 
 NOINLINE void *status_alloc(size_t n)
 {
@@ -29,5 +30,7 @@ int main(int argc, char **argv)
     }
     if (argc >= 2 && strcmp(argv[1], "abort") == 0)
         abort();
+    if (argc >= 2 && strcmp(argv[1], "segv") == 0)
+        *(volatile int *)truth_sink_null = 1;
     return 0;
 }

@@ -1,12 +1,13 @@
-/* Eight threads, each making exactly 10 000 allocator calls (5 000 malloc,
- * 5 000 free) from thread_alloc / thread_release, all at the same time. */
+/* Eight threads (or argv[1]), each making exactly 10 000 allocator calls
+ * (5 000 malloc, 5 000 free; or 2 * argv[2]) from thread_alloc /
+ * thread_release, all at the same time. */
 #include <pthread.h>
 #include <stdint.h>
 
 #include "truth.h"
 
-#define THREADS 8
-#define PAIRS 5000
+#define MAX_THREADS 256
+static int THREADS = 8, PAIRS = 5000;
 
 void *volatile truth_sink;
 static pthread_barrier_t start;
@@ -40,10 +41,16 @@ static void *worker(void *arg)
     return NULL;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    pthread_t threads[THREADS];
+    if (argc > 1)
+        THREADS = atoi(argv[1]);
+    if (argc > 2)
+        PAIRS = atoi(argv[2]);
+    if (THREADS < 1 || THREADS > MAX_THREADS || PAIRS < 16)
+        return 2;
+    pthread_t threads[MAX_THREADS];
     pthread_barrier_init(&start, NULL, THREADS);
     for (uintptr_t t = 0; t < THREADS; t++)
         pthread_create(&threads[t], NULL, worker, (void *)t);
@@ -51,7 +58,7 @@ int main(void)
         pthread_join(threads[t], NULL);
 
     unsigned long bytes = 0;
-    for (uintptr_t id = 0; id < THREADS; id++)
+    for (uintptr_t id = 0; id < (uintptr_t)THREADS; id++)
         for (int i = 0; i < PAIRS; i++)
             bytes += 16 + (i * 7 + id) % 1000;
     truth("thread_alloc", "malloc", (long)THREADS * PAIRS, bytes);

@@ -211,7 +211,10 @@ impl Libunwind {
             let cursor = cursor.assume_init_mut();
             while out.len() < max {
                 let mut ip: unw_word_t = 0;
-                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip == 0 {
+                // Past the outermost frame its frame-pointer fallback can
+                // produce garbage: no user-space code lies at or above 2^56
+                // (the limit with 5-level paging).
+                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip == 0 || ip >= 1 << 56 {
                     break;
                 }
                 out.push(ip);

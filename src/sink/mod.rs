@@ -6,7 +6,7 @@ mod memory;
 mod sqlite;
 
 pub use memory::MemorySink;
-pub use sqlite::SqliteSink;
+pub use sqlite::{APPLICATION_ID, SCHEMA_VERSION, SqliteSink};
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
 use std::thread::JoinHandle;

@@ -4,17 +4,31 @@
 //! Subtleties (`ptrace(2)`): PTRACE_INTERRUPT reports its stop *before* a
 //! SIGTRAP that an int3 already queued; detaching then would let that SIGTRAP
 //! kill the program. Such a thread is resumed once more so the queued trap is
-//! reported and consumed. A thread inside the allocator returns past the
-//! stub's int3 to its caller; that call is not recorded. Trampoline pages stay
-//! mapped: a thread may be executing a displaced instruction or returning
-//! through a stub right now.
+//! reported and consumed. A thread inside an allocator call it entered
+//! through a slot's stub is sent to return straight to its caller (through a
+//! `pop` + `ret` pair of the program's own code); that call is not recorded.
+//! A thread standing in a trampoline moves to the same place in the original
+//! code, and the trampoline pages are unmapped, unless some thread stands
+//! where no such place exists.
 
 use std::collections::{HashMap, HashSet};
 
-use super::trampoline::{DISPLACED, RETURN_INT3};
+use super::trampoline::{self, InStub, RETURN_INT3};
 use super::{Role, TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
+
+/// What [`Tracer::next_stop_while_stopping`] found.
+pub(super) enum Stopping {
+    /// A stop of a thread already known.
+    Known(Tid, Stop),
+    /// A new thread, adopted and left stopped.
+    Adopted(Tid),
+    /// Nothing to act on (an interrupted wait, a stop kept for later).
+    Nothing,
+    /// No traced thread is left.
+    NoneLeft,
+}
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
@@ -60,21 +74,11 @@ impl Tracer {
         }
         let mut deliver: HashMap<Tid, i32> = HashMap::new();
         while !waiting.is_empty() || !self.announced.is_empty() {
-            let (tid, stop) = match ptrace::wait_any() {
-                Ok(Some(found)) => found,
-                Ok(None) => continue,
-                Err(err) if ptrace::no_children(&err) => break,
-                Err(err) => return Err(err.into()),
+            let (tid, stop) = match self.next_stop_while_stopping()? {
+                Stopping::Known(tid, stop) => (tid, stop),
+                Stopping::Adopted(_) | Stopping::Nothing => continue,
+                Stopping::NoneLeft => break,
             };
-            if !self.threads.contains_key(&tid) {
-                // A new child: adopt it stopped (threads) or released (forks).
-                if let Some(child) = self.announced.remove(&tid) {
-                    self.adopt_stopped(tid, child)?;
-                } else if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
-                    self.early.insert(tid, stop);
-                }
-                continue;
-            }
             match stop {
                 Stop::Exited(_) | Stop::Killed { .. } => {
                     waiting.remove(&tid);
@@ -119,27 +123,94 @@ impl Tracer {
         self.restore_and_release(deliver)
     }
 
-    /// Put back what was changed, then detach every thread.
-    fn restore_and_release(&mut self, deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+    /// Put back what was changed, then detach every thread: return addresses,
+    /// threads standing in a trampoline slot (moved to the same place in the
+    /// original code), the int3 bytes, and last the trampoline pages.
+    fn restore_and_release(&mut self, mut deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+        // Spaces whose pages must stay: a thread is somewhere in them that
+        // cannot be mapped back to the original code, or will return there.
+        let mut keep_pages: HashSet<Tid> = HashSet::new();
         let pending: Vec<(Tid, Tid, u64, u64)> = self
             .threads
             .iter_mut()
             .filter_map(|(&tid, t)| t.in_call.take().map(|c| (tid, t.pid, c.entry_sp, c.stub)))
             .collect();
+        let mut pop_rets: HashMap<Tid, Option<u64>> = HashMap::new();
         for (tid, pid, sp, stub) in pending {
-            // Still inside the allocator: the call returns past the stub's
-            // int3 (the trampoline pages stay), straight to the caller.
-            self.unhook_return(tid, pid, sp, stub)?;
+            // Still inside the allocator; that call is not recorded.
             self.stats.lost_returns += 1;
+            let Some(space) = self.space_of(tid) else {
+                continue;
+            };
+            let owner = space.pid;
+            let in_stub = ptrace::get_regs(tid).map_or(true, |regs| {
+                trampoline::in_stub(regs.rip, stub) != InStub::No
+            });
+            if in_stub {
+                continue; // moved out below, with every thread
+            }
+            // In the function, which will return to the stub's int3: send it
+            // to a pop + ret pair of the program's code instead, which returns
+            // to the caller as the stub would have. Without one, past the
+            // int3, and the pages stay.
+            let pop_ret = *pop_rets.entry(owner).or_insert_with(|| space.pop_ret());
+            let to = pop_ret.unwrap_or_else(|| {
+                keep_pages.insert(owner);
+                stub + RETURN_INT3 + 1
+            });
+            mem::write_data(pid, sp - 16, &to.to_le_bytes())?;
         }
-        for process in self.processes.values_mut() {
-            if process.role == Role::Traced {
-                if let Some(space) = process.space.as_mut() {
-                    space.restore_all()?;
+        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        for &tid in &tids {
+            let Some(space) = self.space_of(tid) else {
+                continue;
+            };
+            let owner = space.pid;
+            let Ok(mut regs) = ptrace::get_regs(tid) else {
+                continue;
+            };
+            match space.leave_slots(&mut regs) {
+                Some(false) => {}
+                Some(true) => ptrace::set_regs(tid, &regs)?,
+                None => {
+                    keep_pages.insert(owner);
                 }
             }
         }
-        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        let traced: Vec<Tid> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.role == Role::Traced && p.space.is_some())
+            .map(|(&pid, _)| pid)
+            .collect();
+        for pid in traced {
+            let worker = tids.iter().copied().find(|t| self.threads[t].pid == pid);
+            let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+                continue;
+            };
+            space.restore_all()?;
+            let (Some(worker), false) = (worker, keep_pages.contains(&pid)) else {
+                self.stats
+                    .warnings
+                    .push(format!("process {pid}: trampoline pages left mapped"));
+                continue;
+            };
+            match space.unmap_areas(worker) {
+                Ok(signals) => {
+                    for sig in signals {
+                        if let std::collections::hash_map::Entry::Vacant(e) = deliver.entry(worker)
+                        {
+                            e.insert(sig);
+                        } else {
+                            let _ = ptrace::tgkill(pid, worker, sig);
+                        }
+                    }
+                }
+                Err(err) => self.stats.warnings.push(format!(
+                    "process {pid}: trampoline pages left mapped: {err}"
+                )),
+            }
+        }
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
             match ptrace::detach(tid, sig) {
@@ -152,31 +223,29 @@ impl Tracer {
         Ok(())
     }
 
-    /// Make a call that went through a slot's stub (`trampoline::slot_code`)
-    /// return to its caller without the stub's int3 stopping it.
-    fn unhook_return(&mut self, tid: Tid, pid: Tid, sp: u64, stub: u64) -> Result<(), TraceError> {
-        let past_int3 = stub + RETURN_INT3 + 1;
-        let Ok(mut regs) = ptrace::get_regs(tid) else {
-            return Ok(()); // gone
+    /// While stopping every thread (to attach or detach): the next stop of a
+    /// known thread. A thread born meanwhile is adopted without being
+    /// resumed (a forked child is cleaned and released); the first stop of
+    /// one whose birth is not announced yet is kept for when it is.
+    pub(super) fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
+        let (tid, stop) = match ptrace::wait_any() {
+            Ok(Some(found)) => found,
+            Ok(None) => return Ok(Stopping::Nothing),
+            Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),
+            Err(err) => return Err(err.into()),
         };
-        match regs.rip.wrapping_sub(stub) {
-            // Not called yet (before or after the `lea`): run the displaced
-            // instruction instead, as if the call had never been redirected.
-            0 => regs.rip = stub + DISPLACED,
-            5 => {
-                regs.rsp += 8;
-                regs.rip = stub + DISPLACED;
-            }
-            // Returned, the int3 not executed yet: step over it.
-            RETURN_INT3 => regs.rip = past_int3,
-            // In the function: its return address is the stub's int3.
-            _ => {
-                mem::write_data(pid, sp - 16, &past_int3.to_le_bytes())?;
-                return Ok(());
-            }
+        if self.threads.contains_key(&tid) {
+            return Ok(Stopping::Known(tid, stop));
         }
-        ptrace::set_regs(tid, &regs)?;
-        Ok(())
+        if let Some(child) = self.announced.remove(&tid) {
+            self.adopt_stopped(tid, child)?;
+            if self.threads.contains_key(&tid) {
+                return Ok(Stopping::Adopted(tid));
+            }
+        } else if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
+            self.early.insert(tid, stop);
+        }
+        Ok(Stopping::Nothing)
     }
 
     /// True when the thread is stopped right after one of our int3s.

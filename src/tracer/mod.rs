@@ -11,8 +11,10 @@
 //! with their number, real-time ones included; a SIGTRAP that is not one of
 //! memptrace's int3s is delivered to the program.
 
+mod attach;
 mod calls;
 mod callsite;
+mod children;
 mod detach;
 mod inject;
 mod ledger;
@@ -24,15 +26,15 @@ use std::io;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::event::Op;
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
 use crate::sink::{Record, SinkError, ThreadRecord};
+use crate::unwind::UnwinderKind;
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
-use crate::unwind::{MappedImage, UnwinderKind};
 use ledger::Ledger;
 use space::{Changes, Space};
 
@@ -47,6 +49,10 @@ pub struct TraceOptions {
     pub stacks: bool,
     /// With stacks: unwind every Nth call of each call site only (1: all).
     pub stack_every: u64,
+    /// Trace forked children too (`-f`); otherwise they are released.
+    pub follow_forks: bool,
+    /// Detach once this much time has passed (`attach --duration`).
+    pub duration: Option<Duration>,
 }
 
 /// How a trace ended.
@@ -87,6 +93,19 @@ pub enum TraceError {
     Ptrace(#[from] io::Error),
     #[error(transparent)]
     Sink(#[from] SinkError),
+    #[error("no process {0}")]
+    NoSuchProcess(Tid),
+    #[error("{tid} is a thread of process {pid}: attach to the process")]
+    NotAProcess { tid: Tid, pid: Tid },
+    #[error("not permitted to trace process {pid}: {source}")]
+    Denied {
+        pid: Tid,
+        source: io::Error,
+        /// The process already tracing it, if any (`TracerPid`).
+        tracer: Option<Tid>,
+    },
+    #[error("no allocator function (malloc, free, ...) in any image of process {0}")]
+    NoAllocator(Tid),
 }
 
 /// The role of a traced process.
@@ -173,6 +192,10 @@ pub struct Tracer {
     progress: Arc<Progress>,
     stats: TraceStats,
     last_tick: u32,
+    /// memptrace attached to a running process (rather than launching it):
+    /// the first Ctrl-C ends the trace, since it cannot reach the program.
+    attached: bool,
+    deadline: Option<Instant>,
 }
 
 impl Tracer {
@@ -184,11 +207,32 @@ impl Tracer {
         clock: Instant,
         progress: Arc<Progress>,
     ) -> io::Result<Tracer> {
+        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress)?;
+        tracer.processes.insert(
+            root,
+            Process {
+                role: Role::Prelaunch,
+                space: None,
+            },
+        );
+        tracer.add_thread(root, root);
+        Ok(tracer)
+    }
+
+    /// A tracer that traces nothing yet.
+    fn blank(
+        opts: TraceOptions,
+        pipeline: PipelineHandle,
+        root: Tid,
+        clock: Instant,
+        progress: Arc<Progress>,
+    ) -> io::Result<Tracer> {
         let libunwind = match opts.unwinder {
             UnwinderKind::Libunwind if opts.stacks => Some(LibunwindUnwinder::new()?),
             _ => None,
         };
-        let mut tracer = Tracer {
+        let deadline = opts.duration.map(|d| Instant::now() + d);
+        Ok(Tracer {
             opts,
             clock,
             pipeline,
@@ -208,16 +252,9 @@ impl Tracer {
             progress,
             stats: TraceStats::default(),
             last_tick: signals::ticks(),
-        };
-        tracer.processes.insert(
-            root,
-            Process {
-                role: Role::Prelaunch,
-                space: None,
-            },
-        );
-        tracer.add_thread(root, root);
-        Ok(tracer)
+            attached: false,
+            deadline,
+        })
     }
 
     pub fn stats(&self) -> &TraceStats {
@@ -279,13 +316,21 @@ impl Tracer {
         ptrace::wait_any()
     }
 
-    /// A second Ctrl-C (the first one reaches the program, which decides), or
-    /// SIGTERM/SIGHUP, ends the trace.
+    /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
+    /// for a launched program (the first reaches the program, in the same
+    /// process group, which decides), the first one when attached. So does
+    /// the end of `--duration`.
     fn stop_requested(&self) -> Option<String> {
         if let Some(sig) = signals::terminate_signal() {
             return Some(format!("memptrace received {}", signal_name(sig)));
         }
-        (signals::interrupts() >= 2).then(|| "interrupted (Ctrl-C twice)".to_string())
+        match signals::interrupts() {
+            1 if self.attached => return Some("interrupted (Ctrl-C)".to_string()),
+            n if n >= 2 => return Some("interrupted (Ctrl-C twice)".to_string()),
+            _ => {}
+        }
+        let deadline = self.deadline?;
+        (Instant::now() >= deadline).then(|| "the --duration elapsed".to_string())
     }
 
     fn ticked(&mut self) -> bool {
@@ -405,74 +450,6 @@ impl Tracer {
         }
     }
 
-    /// A clone/fork/vfork event: learn what the child is. Its first stop may
-    /// already have arrived (then it is adopted now) or may come later.
-    /// `stopped`: adopt it without resuming it (while detaching).
-    fn announce_child(&mut self, tid: Tid, event: i32, stopped: bool) -> Result<(), TraceError> {
-        let child = ptrace::event_msg(tid)? as Tid;
-        let pid = self.threads[&tid].pid;
-        let kind = match event {
-            libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
-            libc::PTRACE_EVENT_VFORK => Child::Shared { parent: pid },
-            _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
-            // A clone that is not a thread may share memory (CLONE_VM):
-            // treat it like vfork, never touch the shared code.
-            _ => Child::Shared { parent: pid },
-        };
-        match (self.early.remove(&child), stopped) {
-            (Some(_), false) => self.adopt(child, kind),
-            (Some(_), true) => self.adopt_stopped(child, kind),
-            (None, _) => {
-                self.announced.insert(child, kind);
-                Ok(())
-            }
-        }
-    }
-
-    /// The first stop of an announced child.
-    fn adopt(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
-        match child {
-            Child::Thread { pid } => {
-                self.add_thread(tid, pid);
-                self.resume(tid, 0)
-            }
-            Child::Fork { parent } => {
-                // It inherited the int3 bytes: put the originals back in its
-                // copy of memory and let it go.
-                if let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) {
-                    if let Err(err) = space.restore_into(tid) {
-                        self.stats
-                            .warnings
-                            .push(format!("restoring code in child {tid}: {err}"));
-                    }
-                }
-                match ptrace::detach(tid, 0) {
-                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                    other => Ok(other?),
-                }
-            }
-            Child::Shared { parent } => {
-                self.processes.insert(
-                    tid,
-                    Process {
-                        role: Role::Shares { parent },
-                        space: None,
-                    },
-                );
-                self.threads.insert(
-                    tid,
-                    Thread {
-                        pid: tid,
-                        in_call: None,
-                        stack: None,
-                        start_ns: self.now_ns(),
-                    },
-                );
-                self.resume(tid, 0)
-            }
-        }
-    }
-
     fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
         let pid = self.threads[&tid].pid;
         // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
@@ -495,7 +472,7 @@ impl Tracer {
         }
         let role = self.processes.get(&pid).map(|p| p.role);
         match role {
-            Some(Role::Shares { .. }) => {
+            Some(Role::Shares { .. }) if !self.opts.follow_forks => {
                 // A vfork child now has its own, clean, address space.
                 self.processes.remove(&pid);
                 self.threads.remove(&tid);
@@ -561,35 +538,24 @@ impl Tracer {
         }
         for module in added {
             self.stats.images += 1;
-            let mapped = MappedImage {
-                module_id: module.id,
-                image: module.image.clone(),
-                bias: module.bias,
-                range: module.range.clone(),
-                is_main: module.is_main,
-            };
-            if let Some(lu) = self.libunwind.as_mut() {
-                crate::unwind::Unwinder::add_image(lu, &mapped);
-            }
-            let record = crate::sink::ModuleRecord {
-                id: module.id,
-                pid: pid as u32,
-                path: module.path.clone(),
-                build_id: module.image.build_id.clone(),
-                start: module.range.start,
-                end: module.range.end,
-                base: module.bias.0,
-                loaded_ns: now,
-            };
-            self.send(TraceMsg::Image {
-                pid: pid as u32,
-                mapped,
-                record,
-            });
+            self.announce_image(pid, &module, now);
         }
         self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
         self.stats.warnings.extend(warnings);
         Ok(signals)
+    }
+
+    /// Tell the unwinders and the pipeline about an image of process `pid`.
+    fn announce_image(&mut self, pid: Tid, module: &space::LoadedModule, now: u64) {
+        let mapped = module.mapped();
+        if let Some(lu) = self.libunwind.as_mut() {
+            crate::unwind::Unwinder::add_image(lu, &mapped);
+        }
+        self.send(TraceMsg::Image {
+            pid: pid as u32,
+            mapped,
+            record: module.record(pid, now),
+        });
     }
 
     fn forget_images(&mut self, pid: Tid) {
@@ -641,42 +607,6 @@ impl Tracer {
                 Stop::Exited(code) => Ending::Exited(code),
                 _ => Ending::Exited(0),
             });
-        }
-        Ok(())
-    }
-
-    /// Children still running in the memory of a process that is gone (a
-    /// clone with CLONE_VM that outlived it) get the original code back
-    /// through the dead process's open /proc/PID/mem, which still holds the
-    /// shared memory, and are released.
-    fn release_sharers(&mut self, pid: Tid, mut space: Space) -> Result<(), TraceError> {
-        let sharers: Vec<Tid> = self
-            .processes
-            .iter()
-            .filter(|(_, p)| p.role == Role::Shares { parent: pid })
-            .map(|(child, _)| *child)
-            .collect();
-        if sharers.is_empty() {
-            return Ok(());
-        }
-        if let Err(err) = space.restore_all() {
-            self.stats
-                .warnings
-                .push(format!("restoring code shared with {sharers:?}: {err}"));
-        }
-        for child in sharers {
-            self.processes.remove(&child);
-            let tids: Vec<Tid> = self
-                .threads
-                .iter()
-                .filter(|(_, t)| t.pid == child)
-                .map(|(t, _)| *t)
-                .collect();
-            for t in tids {
-                self.threads.remove(&t);
-                // It is running: PTRACE_DETACH needs a stop first.
-                detach::detach_running(t);
-            }
         }
         Ok(())
     }

@@ -12,13 +12,15 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::inject;
-use super::trampoline::{self, AREA_SIZE, DISPLACED, RETURN_INT3, SLOT_SIZE};
-use crate::addr::LoadBias;
+use super::trampoline::{self, AREA_SIZE, DISPLACED, InStub, RETURN_INT3, SLOT_SIZE};
+use crate::addr::{LoadBias, Svma};
 use crate::event::Op;
 use crate::os::mem::CodeWriter;
 use crate::os::procfs::{self, Mapping};
-use crate::os::ptrace::Tid;
+use crate::os::ptrace::{Regs, Tid};
+use crate::sink::ModuleRecord;
 use crate::symbols::elf::ElfImage;
+use crate::unwind::MappedImage;
 
 const INT3: u8 = 0xcc;
 
@@ -41,6 +43,8 @@ pub struct Breakpoint {
     /// slot's call stub, which returns through the int3 at
     /// `stub + RETURN_INT3` (see [`trampoline::slot_code`]).
     pub stub: u64,
+    /// What the slot holds.
+    pub slot: trampoline::Displaced,
     pub kind: BreakpointKind,
 }
 
@@ -56,6 +60,34 @@ pub struct LoadedModule {
     pub is_main: bool,
 }
 
+impl LoadedModule {
+    /// The module as the unwinders need it.
+    pub fn mapped(&self) -> MappedImage {
+        MappedImage {
+            module_id: self.id,
+            image: self.image.clone(),
+            bias: self.bias,
+            range: self.range.clone(),
+            is_main: self.is_main,
+        }
+    }
+
+    /// The module's row in the database, for process `pid`, found at `now`.
+    pub fn record(&self, pid: Tid, now: u64) -> ModuleRecord {
+        ModuleRecord {
+            id: self.id,
+            pid: pid as u32,
+            path: self.path.clone(),
+            build_id: self.image.build_id.clone(),
+            start: self.range.start,
+            end: self.range.end,
+            base: self.bias.0,
+            loaded_ns: now,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
 struct Area {
     start: u64,
     next: u64,
@@ -116,6 +148,45 @@ impl Space {
         self.areas
             .iter()
             .any(|a| (a.start..a.next).contains(&at) && (at - a.start) % SLOT_SIZE == RETURN_INT3)
+    }
+
+    /// The space of a child forked from this one (`pid`), which has copies of
+    /// the same breakpoints, trampoline pages and images. Its modules get
+    /// ids of their own, taken from `next_id`.
+    pub fn fork_copy(&self, pid: Tid, next_id: &mut u64) -> io::Result<Space> {
+        let mut renamed = HashMap::new();
+        let modules = self
+            .modules
+            .iter()
+            .map(|(&start, module)| {
+                *next_id += 1;
+                renamed.insert(module.id, *next_id);
+                let copy = LoadedModule {
+                    id: *next_id,
+                    ..module.clone()
+                };
+                (start, copy)
+            })
+            .collect();
+        let breakpoints = self
+            .breakpoints
+            .iter()
+            .map(|(&addr, bp)| {
+                let mut bp = bp.clone();
+                if let BreakpointKind::Allocator { module_id, .. } = &mut bp.kind {
+                    *module_id = renamed.get(module_id).copied().unwrap_or(*module_id);
+                }
+                (addr, bp)
+            })
+            .collect();
+        Ok(Space {
+            pid,
+            mem: CodeWriter::open(pid)?,
+            breakpoints,
+            areas: self.areas.clone(),
+            modules,
+            exe: self.exe.clone(),
+        })
     }
 
     pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
@@ -236,7 +307,7 @@ impl Space {
             return Ok(());
         }
         let slot = self.slot_for(tid, module, maps, signals)?;
-        let bytes =
+        let (bytes, displaced) =
             trampoline::slot_code(&code, addr, slot).map_err(|source| SpaceError::Relocate {
                 path: module.path.clone(),
                 source,
@@ -252,6 +323,7 @@ impl Space {
                 orig: code[0],
                 resume_at: slot + DISPLACED,
                 stub: slot,
+                slot: displaced,
                 kind,
             },
         );
@@ -297,6 +369,103 @@ impl Space {
             }
         }
         Err(SpaceError::NoRoom(module.path.clone()))
+    }
+
+    /// Move a thread stopped with `regs` out of the trampoline areas, to the
+    /// same place in the original code: before or after a displaced
+    /// instruction; at the function's entry from a stub not yet through its
+    /// call; at the caller from a stub past its return, as the stub's `ret`
+    /// would have left it. `Some(false)` when the thread is in no area,
+    /// `Some(true)` when `regs` changed, `None` when it is somewhere in an
+    /// area that cannot be mapped back.
+    pub fn leave_slots(&self, regs: &mut Regs) -> Option<bool> {
+        if !self.in_area(regs.rip) {
+            return Some(false);
+        }
+        for bp in self.breakpoints.values() {
+            if let Some(rip) = bp.slot.original_rip(regs.rip, bp.resume_at, bp.addr) {
+                regs.rip = rip;
+                return Some(true);
+            }
+            match trampoline::in_stub(regs.rip, bp.stub) {
+                InStub::No => {}
+                InStub::NotCalled { pop } => {
+                    regs.rsp += pop;
+                    regs.rip = bp.addr;
+                    return Some(true);
+                }
+                InStub::Returned { at, pop } => {
+                    let mut word = [0u8; 8];
+                    self.mem.read(regs.rsp + at, &mut word).ok()?;
+                    regs.rip = u64::from_le_bytes(word);
+                    regs.rsp += pop;
+                    return Some(true);
+                }
+            }
+        }
+        None
+    }
+
+    /// The address of a `pop` + `ret` pair in the program's own code (see
+    /// [`trampoline::pop_ret`]): where a call still running through a stub
+    /// is sent to return once the trampoline pages are gone.
+    pub fn pop_ret(&self) -> Option<u64> {
+        const CHUNK: u64 = 64 << 10;
+        for module in self.modules.values() {
+            let Some(text) = &module.image.text else {
+                continue;
+            };
+            let start = module.bias.to_avma(Svma(text.start)).0;
+            let end = module.bias.to_avma(Svma(text.end)).0;
+            let mut at = start;
+            let mut buf = vec![0u8; CHUNK as usize + 1];
+            while at < end {
+                let len = (end - at).min(CHUNK + 1) as usize;
+                if self.mem.read(at, &mut buf[..len]).is_err() {
+                    break;
+                }
+                if let Some(offset) = trampoline::pop_ret(&buf[..len]) {
+                    return Some(at + offset as u64);
+                }
+                at += CHUNK;
+            }
+        }
+        None
+    }
+
+    fn in_area(&self, addr: u64) -> bool {
+        self.areas
+            .iter()
+            .any(|a| (a.start..a.start + AREA_SIZE).contains(&addr))
+    }
+
+    /// Unmap every trampoline area, running munmap in the stopped thread
+    /// `tid`. Call only when no breakpoint is planted and no thread is in an
+    /// area or will return into a stub. Returns signals that
+    /// arrived meanwhile, to deliver.
+    pub fn unmap_areas(&mut self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
+        let signals = self.unmap_areas_in(tid)?;
+        self.areas.clear();
+        Ok(signals)
+    }
+
+    /// Unmap the trampoline areas in the process of the stopped thread `tid`:
+    /// this one, or a forked copy of it, which has the same areas.
+    pub fn unmap_areas_in(&self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
+        let insn = self
+            .syscall_insn()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction to unmap with".into()))?;
+        let mut signals = Vec::new();
+        for area in &self.areas {
+            let done = inject::syscall(
+                tid,
+                insn,
+                libc::SYS_munmap as u64,
+                [area.start, AREA_SIZE, 0, 0, 0, 0],
+            )?;
+            signals.extend(done.signals);
+        }
+        Ok(signals)
     }
 
     fn syscall_insn(&self) -> Option<u64> {

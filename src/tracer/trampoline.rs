@@ -68,21 +68,86 @@ pub enum RelocateError {
 ///   inside the function the stack is 16 bytes deeper than without memptrace,
 ///   which nothing may rely on (the allocator functions take no arguments on
 ///   the stack).
-pub fn slot_code(code: &[u8], addr: u64, slot: u64) -> Result<Vec<u8>, RelocateError> {
-    let (displaced, _) = displaced(code, addr, slot + DISPLACED)?;
+///
+/// Returns the slot's bytes and its displaced part (at `slot + DISPLACED`).
+pub fn slot_code(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, Displaced), RelocateError> {
+    let displaced = displaced(code, addr, slot + DISPLACED)?;
     let mut bytes = vec![0xcc; DISPLACED as usize];
     bytes[..STUB.len()].copy_from_slice(&STUB);
     // call rel32 at offset 5: relative to the end of the call, offset 10.
     let rel = (DISPLACED - RETURN_INT3) as i32;
     bytes[6..10].copy_from_slice(&rel.to_le_bytes());
-    bytes.extend(displaced);
-    Ok(bytes)
+    bytes.extend_from_slice(&displaced.bytes);
+    Ok((bytes, displaced))
 }
 
-/// The code at `slot` that executes the instruction found at `addr` (whose
-/// bytes start `code`) and continues at the next instruction. Returns the
-/// bytes and the length of the displaced instruction.
-pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), RelocateError> {
+/// Where a thread stopped at `rip` stands in the stub of the slot at `stub`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InStub {
+    /// Not in this stub.
+    No,
+    /// Before the call: the function has not started. The thread belongs at
+    /// the function's entry, with rsp `pop` bytes higher (undoing the `lea`).
+    NotCalled { pop: u64 },
+    /// The call returned: the caller's return address is at rsp + `at`, and
+    /// the stub's `ret` would leave rsp `pop` bytes higher than now.
+    Returned { at: u64, pop: u64 },
+}
+
+/// See [`InStub`].
+pub fn in_stub(rip: u64, stub: u64) -> InStub {
+    match rip.wrapping_sub(stub) {
+        0 => InStub::NotCalled { pop: 0 },
+        5 => InStub::NotCalled { pop: 8 },
+        // At the int3 or past it, before `lea rsp, [rsp+8]`.
+        RETURN_INT3 | 11 => InStub::Returned { at: 8, pop: 16 },
+        // At the `ret`.
+        16 => InStub::Returned { at: 0, pop: 8 },
+        _ => InStub::No,
+    }
+}
+
+/// The offset in `code` of a `pop` into a register no caller expects to
+/// survive a call (rdi, rsi or rcx) followed by `ret`. A call made through a
+/// stub can be sent there to return to its caller once the stub is gone: the
+/// word the stub's `lea` skipped goes into that register, rax (the result)
+/// is untouched. Any real program has such a pair: `pop r15; ret`
+/// (41 5f c3) holds `pop rdi; ret`.
+pub fn pop_ret(code: &[u8]) -> Option<usize> {
+    code.windows(2)
+        .position(|w| matches!(w, [0x59 | 0x5e | 0x5f, 0xc3]))
+}
+
+/// A displaced instruction's slot: its bytes and where its parts are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Displaced {
+    /// The relocated instruction followed by a jump back.
+    pub bytes: Vec<u8>,
+    /// Length of the original instruction.
+    pub len: usize,
+    /// Length of the relocated copy; the jump back starts there.
+    pub copy_len: usize,
+}
+
+impl Displaced {
+    /// Where a thread stopped at `rip` inside the slot at `slot`, for the
+    /// instruction at `addr`, stands in the original code: before the
+    /// instruction (it has not run) or after it (only the jump back is left).
+    /// `None` if `rip` is elsewhere.
+    pub fn original_rip(&self, rip: u64, slot: u64, addr: u64) -> Option<u64> {
+        if rip == slot {
+            Some(addr)
+        } else if rip == slot + self.copy_len as u64 {
+            Some(addr + self.len as u64)
+        } else {
+            None
+        }
+    }
+}
+
+/// The code for a slot at `slot` that executes the instruction found at `addr`
+/// (whose bytes start `code`) and continues at the next instruction.
+pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<Displaced, RelocateError> {
     let mut decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
     let insn = decoder.decode();
     if insn.is_invalid() {
@@ -95,13 +160,29 @@ pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, usize), 
     let block = InstructionBlock::new(&insns, slot);
     let encoded = BlockEncoder::encode(64, block, BlockEncoderOptions::NONE)
         .map_err(|e| RelocateError::Unrelocatable(addr, e.to_string()))?;
-    if encoded.code_buffer.len() as u64 > SLOT_SIZE - DISPLACED {
+    let bytes = encoded.code_buffer;
+    if bytes.len() as u64 > SLOT_SIZE - DISPLACED {
         return Err(RelocateError::Unrelocatable(
             addr,
-            format!("{} bytes do not fit a slot", encoded.code_buffer.len()),
+            format!("{} bytes do not fit a slot", bytes.len()),
         ));
     }
-    Ok((encoded.code_buffer, len))
+    // The copy must be one instruction followed by the jump back: a thread
+    // stopped in the slot is then always at one of two known places.
+    let mut copy = Decoder::with_ip(64, &bytes, slot, DecoderOptions::NONE);
+    let first = copy.decode();
+    let second = copy.decode();
+    if second.code() != Code::Jmp_rel32_64 || second.near_branch_target() != addr + len as u64 {
+        return Err(RelocateError::Unrelocatable(
+            addr,
+            "the relocated instruction is more than one instruction".into(),
+        ));
+    }
+    Ok(Displaced {
+        copy_len: first.len(),
+        bytes,
+        len,
+    })
 }
 
 /// True when an area at `area` can serve code in `image` (rel32 reach both ways).
@@ -164,7 +245,8 @@ mod tests {
         // push r12 (glibc malloc's first instruction).
         let code = [0x41, 0x54, 0x55, 0x48, 0x89, 0xe5];
         let slot = 0x7f00_0000_0040;
-        let bytes = slot_code(&code, 0x7f00_0000_1000, slot).unwrap();
+        let (bytes, d) = slot_code(&code, 0x7f00_0000_1000, slot).unwrap();
+        assert_eq!(d.bytes[..], bytes[DISPLACED as usize..]);
         assert!(bytes.len() as u64 <= SLOT_SIZE);
         let stub = decode_all(&bytes[..DISPLACED as usize], slot);
         let names: Vec<Mnemonic> = stub.iter().take(5).map(|i| i.mnemonic()).collect();
@@ -188,15 +270,48 @@ mod tests {
     }
 
     #[test]
+    fn places_in_a_stub() {
+        let stub = 0x1000;
+        assert_eq!(in_stub(stub, stub), InStub::NotCalled { pop: 0 });
+        assert_eq!(in_stub(stub + 5, stub), InStub::NotCalled { pop: 8 });
+        let returned = InStub::Returned { at: 8, pop: 16 };
+        assert_eq!(in_stub(stub + RETURN_INT3, stub), returned);
+        assert_eq!(in_stub(stub + RETURN_INT3 + 1, stub), returned);
+        assert_eq!(in_stub(stub + 16, stub), InStub::Returned { at: 0, pop: 8 });
+        for other in [stub + 1, stub + 12, stub + DISPLACED, stub - 1] {
+            assert_eq!(in_stub(other, stub), InStub::No);
+        }
+        // The offsets agree with the stub's code.
+        let (bytes, _) = slot_code(&[0x41, 0x54], 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
+        let insns = decode_all(&bytes[..DISPLACED as usize], 0);
+        let ips: Vec<u64> = insns.iter().take(5).map(|i| i.ip()).collect();
+        assert_eq!(ips, [0, 5, RETURN_INT3, 11, 16]);
+    }
+
+    #[test]
+    fn finds_a_pop_and_ret() {
+        // pop r15; ret: the second byte starts pop rdi; ret.
+        assert_eq!(pop_ret(&[0x90, 0x41, 0x5f, 0xc3]), Some(2));
+        assert_eq!(pop_ret(&[0x5e, 0xc3]), Some(0));
+        // pop rdx could hold half of a 128-bit result; pop rbx is the caller's.
+        assert_eq!(pop_ret(&[0x5a, 0xc3, 0x5b, 0xc3, 0xc3]), None);
+    }
+
+    #[test]
     fn relocates_a_push_and_jumps_back() {
         // push r12 (glibc malloc's first instruction) followed by junk.
         let code = [0x41, 0x54, 0x55, 0x48, 0x89, 0xe5];
-        let (slot, len) = displaced(&code, 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
-        assert_eq!(len, 2);
-        let insns = decode_all(&slot, 0x7f00_0000_0000);
+        let d = displaced(&code, 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
+        assert_eq!((d.len, d.copy_len), (2, 2));
+        let insns = decode_all(&d.bytes, 0x7f00_0000_0000);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Push);
         assert_eq!(insns[1].mnemonic(), Mnemonic::Jmp);
         assert_eq!(insns[1].near_branch_target(), 0x7f00_0000_1002);
+        // A thread stopped in the slot, before or after the copy.
+        let (slot, addr) = (0x7f00_0000_0000, 0x7f00_0000_1000);
+        assert_eq!(d.original_rip(slot, slot, addr), Some(addr));
+        assert_eq!(d.original_rip(slot + 2, slot, addr), Some(addr + 2));
+        assert_eq!(d.original_rip(slot + 3, slot, addr), None);
     }
 
     #[test]
@@ -205,9 +320,9 @@ mod tests {
         let code = [0x80, 0x3d, 0x00, 0x01, 0x00, 0x00, 0x00];
         let addr = 0x7f00_0010_0000;
         let slot = 0x7f00_0000_0000;
-        let (bytes, len) = displaced(&code, addr, slot).unwrap();
-        assert_eq!(len, 7);
-        let insns = decode_all(&bytes, slot);
+        let d = displaced(&code, addr, slot).unwrap();
+        assert_eq!(d.len, 7);
+        let insns = decode_all(&d.bytes, slot);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Cmp);
         // The operand still names the same byte.
         assert_eq!(insns[0].memory_displacement64(), addr + 7 + 0x100);
@@ -218,8 +333,8 @@ mod tests {
     fn relocates_a_jump_stub() {
         // musl: malloc is `jmp rel32` to the real implementation.
         let code = [0xe9, 0x0b, 0x00, 0x00, 0x00];
-        let (bytes, _) = displaced(&code, 0x401800, 0x300000).unwrap();
-        let insns = decode_all(&bytes, 0x300000);
+        let d = displaced(&code, 0x401800, 0x300000).unwrap();
+        let insns = decode_all(&d.bytes, 0x300000);
         assert_eq!(insns[0].mnemonic(), Mnemonic::Jmp);
         assert_eq!(insns[0].near_branch_target(), 0x401810);
     }

@@ -3,14 +3,18 @@
 //! on the database it writes: exact counts and sizes per function and op
 //! against the truth each tracee prints, leaks, threads, the order of the
 //! functions along stacks with both unwinders, process and signal handling,
-//! and every kind of bad input.
+//! and every kind of bad input; and the reports over the traces.
 //!
 //! These tests need ptrace rights over a child process; where ptrace is not
 //! allowed they fail, they never skip.
 
 mod api;
+mod attach;
 mod bad_input;
+mod docs;
+mod faults;
 mod processes;
+mod report;
 mod returns;
 mod sampling;
 mod stacks;

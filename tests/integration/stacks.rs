@@ -78,6 +78,24 @@ fn stack_text_reads_like_a_backtrace() {
     );
     assert!(lines[1].starts_with("deep_middle ("), "{text}");
     assert!(lines[3].starts_with("main ("), "{text}");
+
+    // A call made in inlined code: the frame is the function whose machine
+    // code it is; stack_text shows the inlined function above it.
+    let stack = t.stacks_from("deep_inlined_caller", "malloc")[0];
+    let text: String =
+        t.db.query_row(
+            "SELECT text FROM stack_text WHERE stack_id = ?1",
+            [stack],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("deep_wrap (") && lines[0].contains("deep.c:"),
+        "{text}"
+    );
+    assert!(lines[1].starts_with("deep_inlined_caller ("), "{text}");
+    assert!(lines[2].starts_with("main ("), "{text}");
 }
 
 fn threads(variant: Variant) {
@@ -148,4 +166,69 @@ fn leaks_on_every_variant() {
         let t = trace(variant, "leaks", &[], &[]);
         t.assert_truth();
     }
+}
+
+/// Where no CFI covers the code (built without unwind tables), both
+/// unwinders follow the frame-pointer chain.
+#[test]
+fn frame_pointer_fallback() {
+    for variant in [Variant::Dynamic, Variant::Static] {
+        for unwinder in ["framehop", "libunwind"] {
+            let t = trace(variant, "nocfi", &[], &["--unwinder", unwinder]);
+            t.assert_truth();
+            let stacks = t.stacks_from("nocfi_inner", "malloc");
+            assert_eq!(stacks.len(), 1);
+            let functions = t.stack_functions(stacks[0]);
+            assert_eq!(
+                functions[..4],
+                ["nocfi_inner", "nocfi_middle", "nocfi_outer", "main"],
+                "{variant:?} {unwinder}: {functions:?}"
+            );
+        }
+    }
+}
+
+/// C++: operator new reaches malloc through libstdc++, and every name along
+/// the stack is demangled, inlined template code included.
+#[test]
+fn cxx_names_are_demangled() {
+    let t = trace(Variant::Dynamic, "cxx", &[], &[]);
+    assert_eq!(t.run.code(), 0);
+    let stacks = t.stacks_from("operator new(unsigned long)", "malloc");
+    let functions: Vec<Vec<String>> = stacks.iter().map(|&s| t.stack_functions(s)).collect();
+    assert!(
+        functions.iter().any(|f| f[..3]
+            == [
+                "operator new(unsigned long)",
+                "shapes::make_widget(int)",
+                "main"
+            ]),
+        "{functions:?}"
+    );
+    // push_back through the out-of-line _M_realloc_insert, from grow.
+    assert!(
+        functions.iter().any(|f| f[1]
+            .contains("std::vector<int, std::allocator<int> >::_M_realloc_insert")
+            && f[2] == "shapes::widget::grow(int)"),
+        "{functions:?}"
+    );
+    // push_back of 100 ints reallocates for 1, 2, 4, ... 128 elements.
+    assert_eq!(
+        t.int(
+            "SELECT count(*) FROM events e JOIN stack_text t ON t.stack_id = e.stack_id
+             WHERE e.op = 'malloc' AND t.text LIKE '%shapes::widget::grow(int)%'"
+        ),
+        8
+    );
+    let text: String =
+        t.db.query_row(
+            "SELECT text FROM stack_text WHERE text LIKE '%push_back%' LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        text.contains("std::vector<int, std::allocator<int> >::push_back(int const&)"),
+        "{text}"
+    );
 }

@@ -33,8 +33,9 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 7] = [
-    "api", "threads", "leaks", "deep", "forks", "status", "signals",
+const TRACEES: [&str; 11] = [
+    "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
+    "ticker",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
@@ -112,8 +113,26 @@ fn build_variant(variant: Variant) -> PathBuf {
     for name in TRACEES {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
+    // No unwind tables, frame pointers: the unwinders' fallback.
+    compile(
+        variant,
+        &["nocfi.c"],
+        &dir.join("nocfi"),
+        &[
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+            "-fno-omit-frame-pointer",
+        ],
+    );
     match variant {
         Variant::Dynamic => {
+            build(
+                Command::new("g++")
+                    .args(CFLAGS)
+                    .arg("-o")
+                    .arg(dir.join("cxx"))
+                    .arg(source_dir().join("cxx.cpp")),
+            );
             // A library loaded by dlopen, and one the program needs at start.
             for lib in ["plugin", "needed"] {
                 compile(
@@ -197,8 +216,17 @@ pub fn memptrace() -> Command {
     Command::new(env!("CARGO_BIN_EXE_memptrace"))
 }
 
-/// Run a command to its end with stdin from `input`, within the time limit.
-pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
+/// A command started by [`spawn`], its output being collected.
+pub struct Running {
+    pub child: Child,
+    writer: std::thread::JoinHandle<()>,
+    out: std::thread::JoinHandle<Vec<u8>>,
+    err: std::thread::JoinHandle<Vec<u8>>,
+    what: String,
+}
+
+/// Start a command with stdin from `input`, collecting its output.
+pub fn spawn(cmd: &mut Command, input: &[u8]) -> Running {
     cmd.stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -221,23 +249,197 @@ pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
         let _ = stderr.read_to_end(&mut s);
         s
     });
-    let deadline = Instant::now() + TIME_LIMIT;
-    let status = loop {
-        if let Some(status) = child.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{cmd:?} did not finish within {TIME_LIMIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let _ = writer.join();
-    Run {
-        status,
-        stdout: String::from_utf8_lossy(&out.join().unwrap()).into_owned(),
-        stderr: String::from_utf8_lossy(&err.join().unwrap()).into_owned(),
+    Running {
+        child,
+        writer,
+        out,
+        err,
+        what: format!("{cmd:?}"),
     }
+}
+
+impl Running {
+    /// True while the command runs.
+    pub fn running(&mut self) -> bool {
+        self.child.0.try_wait().unwrap().is_none()
+    }
+
+    /// Wait for the end, within the time limit.
+    pub fn finish(mut self) -> Run {
+        let deadline = Instant::now() + TIME_LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {TIME_LIMIT:?}",
+                self.what
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = self.writer.join();
+        Run {
+            status,
+            stdout: String::from_utf8_lossy(&self.out.join().unwrap()).into_owned(),
+            stderr: String::from_utf8_lossy(&self.err.join().unwrap()).into_owned(),
+        }
+    }
+}
+
+/// Run a command to its end with stdin from `input`, within the time limit.
+pub fn run(cmd: &mut Command, input: &[u8]) -> Run {
+    spawn(cmd, input).finish()
+}
+
+/// A process running in the background, its stdout collected line by line.
+pub struct Background {
+    pub child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stdout: Vec<String>,
+    stderr: std::thread::JoinHandle<Vec<u8>>,
+}
+
+impl Background {
+    /// Start `cmd` with stdout and stderr piped, stdin empty.
+    pub fn start(cmd: &mut Command) -> Background {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = Child(cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")));
+        let stdout = child.0.stdout.take().unwrap();
+        let mut stderr = child.0.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = stderr.read_to_end(&mut s);
+            s
+        });
+        Background {
+            child,
+            lines,
+            stdout: Vec::new(),
+            stderr,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.0.id() as i32
+    }
+
+    /// Wait for a line of stdout that starts with `prefix`; return the rest.
+    pub fn wait_for(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + TIME_LIMIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no line {prefix:?} in {:?}", self.stdout));
+            self.stdout.push(line.clone());
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    /// Send a signal to the process.
+    pub fn signal(&self, sig: i32) {
+        signal(self.pid(), sig);
+    }
+
+    /// Wait for the process to end (within the time limit).
+    pub fn finish(mut self) -> Run {
+        let deadline = Instant::now() + TIME_LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "the process did not end");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        // Whatever the process wrote, up to the end of its stdout (which its
+        // own children may hold open: wait for them too, within the limit).
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.stdout.push(line);
+        }
+        let stderr = std::mem::replace(&mut self.stderr, std::thread::spawn(Vec::new));
+        Run {
+            status,
+            stdout: self.stdout.iter().map(|l| format!("{l}\n")).collect(),
+            stderr: String::from_utf8_lossy(&stderr.join().unwrap()).into_owned(),
+        }
+    }
+
+    /// Lines of stdout received so far, and everything until it closes.
+    pub fn rest_of_stdout(&mut self) -> String {
+        let deadline = Instant::now() + TIME_LIMIT;
+        while let Ok(line) = self
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.stdout.push(line);
+        }
+        self.stdout.iter().map(|l| format!("{l}\n")).collect()
+    }
+}
+
+/// kill(2), panicking on failure.
+pub fn signal(pid: i32, sig: i32) {
+    // SAFETY: plain system call.
+    let ret = unsafe { libc::kill(pid, sig) };
+    assert_eq!(
+        ret,
+        0,
+        "kill({pid}, {sig}): {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// A field of /proc/PID/status, e.g. `TracerPid`.
+pub fn proc_status(pid: i32, field: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .map(|v| v.trim().to_string())
+}
+
+/// Poll `cond` every few milliseconds until it holds, within the time limit.
+pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + TIME_LIMIT;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Parse `truth` lines from a tracee's output.
+pub fn truth_of(stdout: &str) -> Vec<Calls> {
+    stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("truth "))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Calls {
+                function: f[0].into(),
+                op: f[1].into(),
+                calls: f[2].parse().unwrap(),
+                bytes: f[3].parse().unwrap(),
+            }
+        })
+        .collect()
 }
 
 /// A finished trace: the run and its database.
@@ -269,6 +471,16 @@ pub fn trace_program(program: &Path, args: &[&str], options: &[&str]) -> Trace {
     );
     let db = Connection::open(&path).unwrap();
     Trace { run, db, path }
+}
+
+/// Open a database memptrace wrote, for a run that is not a `Trace`.
+pub fn open_trace(path: &Path, run: Run) -> Trace {
+    assert!(path.exists(), "no database at {path:?}: {}", run.stderr);
+    Trace {
+        db: Connection::open(path).unwrap(),
+        run,
+        path: path.to_path_buf(),
+    }
 }
 
 /// Trace a tracee and check what every trace must satisfy.
@@ -346,20 +558,7 @@ impl Trace {
     }
 
     pub fn truth(&self) -> Vec<Calls> {
-        self.run
-            .stdout
-            .lines()
-            .filter_map(|l| l.strip_prefix("truth "))
-            .map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                Calls {
-                    function: f[0].into(),
-                    op: f[1].into(),
-                    calls: f[2].parse().unwrap(),
-                    bytes: f[3].parse().unwrap(),
-                }
-            })
-            .collect()
+        truth_of(&self.run.stdout)
     }
 
     pub fn truth_leaks(&self) -> Vec<Leak> {

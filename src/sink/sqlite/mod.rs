@@ -24,6 +24,7 @@ use rusqlite::{Connection, params};
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::{Event, Op};
 use open_blocks::OpenBlocks;
+pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 
 /// Events inserted by one multi-row statement: SQLite's per-statement cost
 /// (step, reset, the statement cache) is paid once per chunk. 256 rows of 8
@@ -210,12 +211,14 @@ impl SqliteSink {
 
     fn write_symbols(&mut self, symbols: &FrameSymbols) -> Result<(), SinkError> {
         let conn = self.conn()?;
-        let first = symbols.lines.first().cloned().unwrap_or_default();
+        // The frame is named after the function whose machine code it is (the
+        // outermost line); the inlined functions are in frame_lines.
+        let real = symbols.lines.last().cloned().unwrap_or_default();
         conn.prepare_cached("UPDATE frames SET function = ?, file = ?, line = ? WHERE id = ?")?
             .execute(params![
-                first.function,
-                first.file,
-                first.line,
+                real.function,
+                real.file,
+                real.line,
                 int(symbols.frame_id)
             ])?;
         conn.prepare_cached("DELETE FROM frame_lines WHERE frame_id = ?")?

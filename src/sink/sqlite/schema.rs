@@ -148,6 +148,32 @@ pub fn unreleased(a: &str) -> String {
     )
 }
 
+/// The columns of `allocations` for a release `r` left-joined with the
+/// allocation `a` it names (shared with `temporary`).
+fn pair_columns() -> String {
+    format!(
+        "coalesce(a.ptr, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
+       a.size AS size,
+       {tid_a} AS tid,
+       {pid_a} AS pid,
+       {op_a} AS op,
+       a.id AS alloc_id,
+       a.ts_ns AS alloc_ns,
+       r.ts_ns AS free_ns,
+       {op_r} AS free_op,
+       r.id AS free_id,
+       a.stack_id AS alloc_stack_id,
+       r.stack_id AS free_stack_id,
+       {tid_r} AS free_tid",
+        free = Op::Free as u8,
+        tid_a = thread("a", "tid"),
+        pid_a = thread("a", "pid"),
+        op_a = op_name("a"),
+        op_r = op_name("r"),
+        tid_r = thread("r", "tid"),
+    )
+}
+
 /// Views: the user's contract, over the tables above. Columns come from
 /// scalar subqueries and CASEs rather than joins where they can, so a query
 /// pays only for the columns it uses.
@@ -164,6 +190,8 @@ fn views() -> String {
         op = op_name("a"),
     );
     let unreleased = unreleased("a");
+    // 1 when event `e` returned a block, else 0 (heap_over_time).
+    let allocated = format!("(e.kind & 15 <> {free} AND coalesce(e.ptr, 0) <> 0)");
     let line_loc = location("l");
     let frame_loc = location("f");
     format!(
@@ -192,19 +220,7 @@ FROM event_log a
 WHERE NOT EXISTS (SELECT 1 FROM trace_finished) AND {unreleased};
 
 CREATE VIEW allocations AS
-SELECT coalesce(a.ptr, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
-       a.size AS size,
-       {tid_a} AS tid,
-       {pid_a} AS pid,
-       {op_a} AS op,
-       a.id AS alloc_id,
-       a.ts_ns AS alloc_ns,
-       r.ts_ns AS free_ns,
-       {op_r} AS free_op,
-       r.id AS free_id,
-       a.stack_id AS alloc_stack_id,
-       r.stack_id AS free_stack_id,
-       {tid_r} AS free_tid
+SELECT {pair_columns}
 FROM event_log r
 LEFT JOIN event_log a ON a.id = r.id - r.alloc_dist
 WHERE r.alloc_dist IS NOT NULL
@@ -212,6 +228,28 @@ WHERE r.alloc_dist IS NOT NULL
    OR (r.kind & 15 {realloc} AND r.arg <> 0 AND (r.ptr <> 0 OR r.size = 0))
 UNION ALL
 SELECT * FROM leaks;
+
+CREATE VIEW temporary AS
+SELECT {pair_columns}
+FROM event_log r
+JOIN event_log a ON a.id = r.id - r.alloc_dist
+WHERE r.alloc_dist IS NOT NULL
+  AND a.kind >> 4 = r.kind >> 4
+  AND NOT EXISTS (SELECT 1 FROM event_log x
+                  WHERE x.id > a.id AND x.id < r.id AND x.kind >> 4 = r.kind >> 4);
+
+CREATE VIEW heap_over_time(id, ts_ns, delta, bytes, blocks) AS
+WITH RECURSIVE h(id, ts_ns, delta, dblocks, bytes, blocks) AS (
+    SELECT e.id, e.ts_ns, {delta}, {dblocks}, {delta}, {dblocks}
+    FROM event_log e LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
+    WHERE e.id = (SELECT min(id) FROM event_log)
+    UNION ALL
+    SELECT e.id, e.ts_ns, {delta}, {dblocks}, h.bytes + {delta}, h.blocks + {dblocks}
+    FROM h
+    JOIN event_log e ON e.id = (SELECT min(x.id) FROM event_log x WHERE x.id > h.id)
+    LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
+)
+SELECT id, ts_ns, delta, bytes, blocks FROM h;
 
 CREATE VIEW frame_text(frame_id, text) AS
 SELECT f.id,
@@ -238,11 +276,9 @@ SELECT id, text FROM walk;
         tid_e = thread("e", "tid"),
         op_e = op_name("e"),
         released_e = released_ptr("e"),
-        tid_a = thread("a", "tid"),
-        pid_a = thread("a", "pid"),
-        op_a = op_name("a"),
-        op_r = op_name("r"),
-        tid_r = thread("r", "tid"),
+        pair_columns = pair_columns(),
+        delta = format!("({allocated} * coalesce(e.size, 0) - coalesce(a.size, 0))"),
+        dblocks = format!("({allocated} - (a.id IS NOT NULL))"),
     )
 }
 

@@ -1,5 +1,6 @@
-//! Events through the `events` view, and the pairing of blocks in
-//! `allocations` and `leaks`, against hand-written cases and a model.
+//! Events through the `events` view, the pairing of blocks in
+//! `allocations` and `leaks`, and `heap_over_time` and `temporary`, against
+//! hand-written cases and a model.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -383,4 +384,50 @@ fn check_against_model(name: &str, first: u64) {
     leaked.sort_unstable();
     assert_eq!(leak_ids(&conn), leaked);
     assert_eq!(unfinished, leaked);
+
+    // heap_over_time, row for row, and temporary: the same walk in the model.
+    let mut sizes: HashMap<u64, u64> = HashMap::new(); // alloc id -> size
+    let (mut bytes, mut blocks) = (0i64, 0i64);
+    let mut last_of_thread: HashMap<u32, u64> = HashMap::new();
+    let mut heap = Vec::new();
+    let mut temporary = Vec::new();
+    for e in &expected_events {
+        let mut delta = 0;
+        if let Some(alloc) = e.alloc_id {
+            delta -= sizes.remove(&alloc).expect("a live block") as i64;
+            blocks -= 1;
+            if last_of_thread.get(&e.tid) == Some(&alloc) {
+                temporary.push(alloc as i64);
+            }
+        }
+        if e.op != Op::Free && e.ptr != 0 {
+            let size = e.size.unwrap_or(0);
+            sizes.insert(e.id, size);
+            delta += size as i64;
+            blocks += 1;
+        }
+        bytes += delta;
+        last_of_thread.insert(e.tid, e.id);
+        heap.push((e.id as i64, e.ts_ns as i64, delta, bytes, blocks));
+    }
+    let rows: Vec<(i64, i64, i64, i64, i64)> = conn
+        .prepare("SELECT id, ts_ns, delta, bytes, blocks FROM heap_over_time ORDER BY id")
+        .unwrap()
+        .query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(rows, heap);
+    let found: Vec<i64> = conn
+        .prepare("SELECT alloc_id FROM temporary ORDER BY alloc_id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    temporary.sort_unstable();
+    assert!(!temporary.is_empty(), "the model has temporary blocks");
+    assert_eq!(found, temporary);
 }

@@ -1,0 +1,129 @@
+//! The report commands, start to end: open the trace, analyse it, write
+//! what was asked. `session` calls these; they print to stdout (reports)
+//! or write the files named (pictures, profiles).
+
+use std::path::Path;
+
+use super::scan::Analysis;
+use super::stacks::StackTable;
+use super::summary::Summary;
+use super::text::Style;
+use super::{
+    ExportOptions, FlamegraphOptions, Format, PlotOptions, ReportError, ReportOptions, Trace,
+    WindowOptions, check_output, flame, open, plot, pprof, print, text, window, write_file,
+};
+
+fn json(value: &impl serde::Serialize) -> Result<String, ReportError> {
+    let mut text = serde_json::to_string_pretty(value).map_err(ReportError::Json)?;
+    text.push('\n');
+    Ok(text)
+}
+
+/// The traced command, for titles.
+fn command(trace: &Trace) -> Result<String, ReportError> {
+    Ok(trace
+        .meta("command")?
+        .unwrap_or_else(|| trace.path.display().to_string()))
+}
+
+/// `memptrace report`.
+pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportError> {
+    let trace = open(path)?;
+    let analysis = Analysis::full(&trace)?;
+    let table = StackTable::load(&trace)?;
+    let summary = Summary::build(&trace, &analysis, &table, options.top)?;
+    let out = match options.format {
+        Format::Json => json(&summary)?,
+        Format::Text => text::render(
+            &summary,
+            Style::new(options.color),
+            options.frames,
+            options.top,
+        ),
+    };
+    print(&out)
+}
+
+/// `memptrace flamegraph`.
+pub fn run_flamegraph(path: &Path, options: &FlamegraphOptions) -> Result<(), ReportError> {
+    check_output(path, &options.output)?;
+    let trace = open(path)?;
+    let mut analysis = Analysis::run(&trace)?;
+    if options.metric == super::Metric::Peak {
+        analysis.add_peak(&trace)?;
+    }
+    let table = StackTable::load(&trace)?;
+    let lines = flame::folded(&analysis, &table, options.metric);
+    let title = format!(
+        "memptrace: {} {} of {}",
+        options.metric.name(),
+        options.metric.unit(),
+        command(&trace)?
+    );
+    let svg = flame::svg(&lines, options.metric, &title)?;
+    write_file(&options.output, &svg)
+}
+
+/// `memptrace plot`.
+pub fn run_plot(path: &Path, options: &PlotOptions) -> Result<(), ReportError> {
+    check_output(path, &options.output)?;
+    plot::Picture::of(&options.output)?;
+    let trace = open(path)?;
+    let analysis = Analysis::run(&trace)?;
+    let title = format!("memptrace: {}", command(&trace)?);
+    plot::draw(
+        &options.output,
+        &analysis,
+        &title,
+        (options.width, options.height),
+    )
+}
+
+/// `memptrace export`.
+pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportError> {
+    for output in options.pprof.iter().chain(&options.collapsed) {
+        check_output(path, output)?;
+    }
+    let trace = open(path)?;
+    let mut analysis = Analysis::run(&trace)?;
+    if options.collapsed.is_some() && options.metric == super::Metric::Peak {
+        analysis.add_peak(&trace)?;
+    }
+    let table = StackTable::load(&trace)?;
+    if let Some(out) = &options.pprof {
+        let profile = pprof::profile(&trace, &analysis, &table)?;
+        let bytes = pprof::encode(&profile).map_err(|source| ReportError::Write {
+            path: out.clone(),
+            source,
+        })?;
+        write_file(out, &bytes)?;
+    }
+    if let Some(out) = &options.collapsed {
+        let lines = flame::folded(&analysis, &table, options.metric);
+        write_file(out, flame::folded_text(&lines).as_bytes())?;
+    }
+    Ok(())
+}
+
+/// `memptrace window`.
+pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportError> {
+    let trace = open(path)?;
+    let table = StackTable::load(&trace)?;
+    let clamp = |ns: u64| ns.min(i64::MAX as u64) as i64;
+    let report = window::analyse(
+        &trace,
+        &table,
+        clamp(options.from_ns),
+        clamp(options.to_ns),
+        options.report.top,
+    )?;
+    let out = match options.report.format {
+        Format::Json => json(&report)?,
+        Format::Text => window::render(
+            &report,
+            Style::new(options.report.color),
+            options.report.frames,
+        ),
+    };
+    print(&out)
+}

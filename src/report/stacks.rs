@@ -1,0 +1,491 @@
+//! The stack trie, frames and modules of a trace, loaded whole (they are
+//! small next to the events), and the rule that charges an allocation to a
+//! module.
+//!
+//! # Which module an allocation is charged to
+//!
+//! "Who ate my memory", by component: each allocation is charged to the
+//! module of the first frame of its stack (innermost first) that is not part
+//! of the allocator. A frame is part of the allocator when
+//! - its module is the allocator's own library: a C library (`libc.so.6`,
+//!   `libc-2.*.so`, musl's `ld-musl-*.so.1` / `libc.musl-*.so.1`) or a
+//!   malloc replacement (`libjemalloc`, `libtcmalloc*`, `libmimalloc`),
+//!   recognised by file name, since a trace can be read where the program's
+//!   files are not; so `strdup`, `fopen` or `qsort` allocating for a caller
+//!   charge the caller; or
+//! - its function is an allocator entry point or wrapper: the hooked
+//!   functions and their glibc aliases (`__libc_malloc`, ...), C++
+//!   `operator new`/`operator delete`, Rust's `__rust_alloc` family and
+//!   `alloc::alloc::*`. This is the rule that matters in a static binary,
+//!   where the allocator lives in the executable itself.
+//!
+//! A frame outside every known image is charged as `[unknown]`. When every
+//! frame is part of the allocator (the C library allocating for itself),
+//! the allocation is charged to the module of its innermost frame. Events
+//! without a stack are `[no stack]`.
+
+use serde::Serialize;
+
+use super::scan::IdMap;
+use super::{ReportError, Trace};
+use crate::event::Op;
+
+/// One source location of a frame (several when calls were inlined).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Line {
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<i64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    pub ip: u64,
+    pub module_id: Option<i64>,
+    /// Innermost first; empty when nothing is known.
+    pub lines: Vec<Line>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Module {
+    pub path: String,
+    pub start: u64,
+    pub end: u64,
+    pub base: u64,
+    pub build_id: Option<String>,
+}
+
+impl Module {
+    /// The file name, without directories.
+    pub fn name(&self) -> &str {
+        file_name(&self.path)
+    }
+}
+
+/// The part of a path after the last `/`.
+pub fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+/// One line of a stack as people read it (an inlined call is a line of its
+/// own), innermost first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Location {
+    /// The function, or `module+0xoffset`, or `0xaddress`, as `stack_text`.
+    pub function: String,
+    pub file: Option<String>,
+    pub line: Option<i64>,
+    /// The module's file name.
+    pub module: Option<String>,
+    /// The return address of the frame this line belongs to.
+    pub address: u64,
+    /// True when this call was inlined into the next line's function.
+    pub inlined: bool,
+}
+
+/// Where an allocation is charged (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Owner {
+    Module(i64),
+    Unknown,
+    NoStack,
+}
+
+pub struct StackTable {
+    /// Stack node -> (parent, frame).
+    nodes: IdMap<i64, (Option<i64>, i64)>,
+    frames: IdMap<i64, Frame>,
+    pub modules: IdMap<i64, Module>,
+    owners: std::cell::RefCell<IdMap<i64, Owner>>,
+    /// Frame id -> the id of its text: frames that read the same (the
+    /// same functions, files and lines) share one.
+    frame_texts: IdMap<i64, u32>,
+}
+
+/// Values of stacks that read the same, merged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Merged<T> {
+    /// The stacks merged, smallest id first; `None` for calls without one.
+    pub stacks: Vec<Option<i64>>,
+    pub value: T,
+}
+
+/// Frames walked per stack, at most: the trie cannot be deeper than
+/// `--max-depth` (4096), so a longer walk means a damaged file.
+const MAX_WALK: usize = 1 << 16;
+
+impl StackTable {
+    pub fn load(trace: &Trace) -> Result<StackTable, ReportError> {
+        let err = |e| trace.err(e);
+        let mut nodes = IdMap::default();
+        let mut stmt = trace
+            .conn
+            .prepare("SELECT id, parent_id, frame_id FROM stacks")
+            .map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        while let Some(r) = rows.next().map_err(err)? {
+            nodes.insert(
+                r.get(0).map_err(err)?,
+                (r.get(1).map_err(err)?, r.get(2).map_err(err)?),
+            );
+        }
+
+        let mut frames: IdMap<i64, Frame> = IdMap::default();
+        let mut stmt = trace
+            .conn
+            .prepare("SELECT id, ip, module_id, function, file, line FROM frames")
+            .map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        while let Some(r) = rows.next().map_err(err)? {
+            let line = Line {
+                function: r.get(3).map_err(err)?,
+                file: r.get(4).map_err(err)?,
+                line: r.get(5).map_err(err)?,
+            };
+            let known = line.function.is_some() || line.file.is_some();
+            frames.insert(
+                r.get(0).map_err(err)?,
+                Frame {
+                    ip: r.get::<_, i64>(1).map_err(err)? as u64,
+                    module_id: r.get(2).map_err(err)?,
+                    lines: if known { vec![line] } else { Vec::new() },
+                },
+            );
+        }
+        // frame_lines, when present, has every inlined level: it replaces
+        // the single innermost line of `frames`.
+        let mut inlined: IdMap<i64, Vec<Line>> = IdMap::default();
+        let mut stmt = trace
+            .conn
+            .prepare(
+                "SELECT frame_id, function, file, line FROM frame_lines ORDER BY frame_id, idx",
+            )
+            .map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        while let Some(r) = rows.next().map_err(err)? {
+            inlined
+                .entry(r.get(0).map_err(err)?)
+                .or_default()
+                .push(Line {
+                    function: r.get(1).map_err(err)?,
+                    file: r.get(2).map_err(err)?,
+                    line: r.get(3).map_err(err)?,
+                });
+        }
+        for (id, lines) in inlined {
+            if let Some(frame) = frames.get_mut(&id) {
+                frame.lines = lines;
+            }
+        }
+
+        let mut modules = IdMap::default();
+        let mut stmt = trace
+            .conn
+            .prepare("SELECT id, path, start, \"end\", base, build_id FROM modules")
+            .map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        while let Some(r) = rows.next().map_err(err)? {
+            modules.insert(
+                r.get(0).map_err(err)?,
+                Module {
+                    path: r.get(1).map_err(err)?,
+                    start: r.get::<_, i64>(2).map_err(err)? as u64,
+                    end: r.get::<_, i64>(3).map_err(err)? as u64,
+                    base: r.get::<_, i64>(4).map_err(err)? as u64,
+                    build_id: r.get(5).map_err(err)?,
+                },
+            );
+        }
+        let mut table = StackTable {
+            nodes,
+            frames,
+            modules,
+            owners: Default::default(),
+            frame_texts: IdMap::default(),
+        };
+        let mut texts: std::collections::HashMap<String, u32> = Default::default();
+        let mut frame_texts = IdMap::default();
+        for (id, frame) in &table.frames {
+            let text = table
+                .frame_locations(frame)
+                .iter()
+                .map(|l| format!("{}\t{:?}\t{:?}\t{:?}", l.function, l.file, l.line, l.module))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let next = texts.len() as u32;
+            frame_texts.insert(*id, *texts.entry(text).or_insert(next));
+        }
+        table.frame_texts = frame_texts;
+        Ok(table)
+    }
+
+    /// Merge the values of stacks that read the same all the way out (the
+    /// call sites of an unrolled loop, or of one line calling twice): people
+    /// cannot tell them apart, so a ranking shows them as one.
+    pub fn merge<T: Default>(
+        &self,
+        items: impl IntoIterator<Item = (Option<i64>, T)>,
+        mut add: impl FnMut(&mut T, T),
+    ) -> Vec<Merged<T>> {
+        let mut by_text: std::collections::HashMap<Option<Vec<u32>>, Merged<T>> =
+            Default::default();
+        for (stack, value) in items {
+            let key = stack.map(|s| {
+                self.frame_ids(s)
+                    .iter()
+                    .map(|f| self.frame_texts.get(f).copied().unwrap_or(u32::MAX))
+                    .collect()
+            });
+            let merged = by_text.entry(key).or_insert_with(|| Merged {
+                stacks: Vec::new(),
+                value: T::default(),
+            });
+            merged.stacks.push(stack);
+            add(&mut merged.value, value);
+        }
+        let mut out: Vec<Merged<T>> = by_text.into_values().collect();
+        for m in &mut out {
+            m.stacks.sort_unstable();
+        }
+        out.sort_by(|a, b| a.stacks.cmp(&b.stacks));
+        out
+    }
+
+    /// The frame ids of a stack, innermost first.
+    pub fn frame_ids(&self, stack: i64) -> Vec<i64> {
+        let mut ids = Vec::new();
+        let mut node = Some(stack);
+        while let Some((parent, frame)) = node.and_then(|n| self.nodes.get(&n)) {
+            ids.push(*frame);
+            node = *parent;
+            if ids.len() > MAX_WALK {
+                break;
+            }
+        }
+        ids
+    }
+
+    pub fn frame(&self, id: i64) -> Option<&Frame> {
+        self.frames.get(&id)
+    }
+
+    /// `module+0xoffset` or `0xaddress`: a frame without a function name.
+    pub fn address_name(&self, frame: &Frame) -> String {
+        match frame.module_id.and_then(|m| self.modules.get(&m)) {
+            Some(m) => format!("{}+{:#x}", m.name(), frame.ip.wrapping_sub(m.base)),
+            None => format!("{:#x}", frame.ip),
+        }
+    }
+
+    /// The lines of one frame, innermost first, as people read them.
+    pub fn frame_locations(&self, frame: &Frame) -> Vec<Location> {
+        let module = frame
+            .module_id
+            .and_then(|m| self.modules.get(&m))
+            .map(|m| m.name().to_string());
+        if frame.lines.is_empty() {
+            return vec![Location {
+                function: self.address_name(frame),
+                file: None,
+                line: None,
+                module,
+                address: frame.ip,
+                inlined: false,
+            }];
+        }
+        let last = frame.lines.len() - 1;
+        frame
+            .lines
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Location {
+                function: l
+                    .function
+                    .clone()
+                    .unwrap_or_else(|| self.address_name(frame)),
+                file: l.file.clone(),
+                line: l.line,
+                module: module.clone(),
+                address: frame.ip,
+                inlined: i < last,
+            })
+            .collect()
+    }
+
+    /// Every line of a stack, innermost first.
+    pub fn locations(&self, stack: Option<i64>) -> Vec<Location> {
+        let Some(stack) = stack else {
+            return Vec::new();
+        };
+        self.frame_ids(stack)
+            .into_iter()
+            .flat_map(|id| match self.frames.get(&id) {
+                Some(frame) => self.frame_locations(frame),
+                None => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// The function names along a stack, outermost first (inlined calls
+    /// included), as a flame graph draws them.
+    pub fn flame_names(&self, stack: i64) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .locations(Some(stack))
+            .into_iter()
+            .map(|l| l.function)
+            .collect();
+        names.reverse();
+        names
+    }
+
+    /// True when a frame is part of the allocator (see the module docs).
+    fn in_allocator(&self, frame: &Frame) -> bool {
+        let library = frame
+            .module_id
+            .and_then(|m| self.modules.get(&m))
+            .is_some_and(|m| is_allocator_library(m.name()));
+        // The function whose machine code holds the call: the outermost
+        // line (an allocator helper inlined into the caller is the caller).
+        library
+            || frame
+                .lines
+                .last()
+                .and_then(|l| l.function.as_deref())
+                .is_some_and(is_allocator_function)
+    }
+
+    /// The module an allocation from `stack` is charged to.
+    pub fn owner(&self, stack: Option<i64>) -> Owner {
+        let Some(stack) = stack else {
+            return Owner::NoStack;
+        };
+        if let Some(owner) = self.owners.borrow().get(&stack) {
+            return owner.clone();
+        }
+        let ids = self.frame_ids(stack);
+        let frames: Vec<&Frame> = ids.iter().filter_map(|id| self.frames.get(id)).collect();
+        let charged = frames
+            .iter()
+            .find(|f| !self.in_allocator(f))
+            .or(frames.first());
+        let owner = match charged.and_then(|f| f.module_id) {
+            Some(module) => Owner::Module(module),
+            None => Owner::Unknown,
+        };
+        self.owners.borrow_mut().insert(stack, owner.clone());
+        owner
+    }
+
+    /// A module name for an owner; modules mapped in several processes are
+    /// one name.
+    pub fn owner_name(&self, owner: &Owner) -> String {
+        match owner {
+            Owner::Module(id) => self
+                .modules
+                .get(id)
+                .map_or_else(|| "[unknown]".to_string(), |m| m.name().to_string()),
+            Owner::Unknown => "[unknown]".to_string(),
+            Owner::NoStack => "[no stack]".to_string(),
+        }
+    }
+
+    /// The full path of an owner's module, when it has one.
+    pub fn owner_path(&self, owner: &Owner) -> Option<String> {
+        match owner {
+            Owner::Module(id) => self.modules.get(id).map(|m| m.path.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// The C libraries and malloc replacements whose frames are the allocator's.
+pub fn is_allocator_library(file_name: &str) -> bool {
+    const PREFIXES: [&str; 8] = [
+        "libc.so",
+        "libc-2.",
+        "ld-musl-",
+        "libc.musl-",
+        "libjemalloc.so",
+        "libtcmalloc",
+        "libmimalloc.so",
+        "libmimalloc-",
+    ];
+    PREFIXES.iter().any(|p| file_name.starts_with(p))
+}
+
+/// Allocator entry points and wrappers: frames that allocate on behalf of
+/// their caller.
+pub fn is_allocator_function(name: &str) -> bool {
+    const NAMES: [&str; 16] = [
+        "__libc_malloc",
+        "__libc_calloc",
+        "__libc_realloc",
+        "__libc_free",
+        "__libc_memalign",
+        "__libc_valloc",
+        "__libc_pvalloc",
+        "__libc_reallocarray",
+        "__posix_memalign",
+        "_int_malloc",
+        "_int_realloc",
+        "_int_memalign",
+        "_mid_memalign",
+        "__rust_alloc",
+        "__rust_alloc_zeroed",
+        "__rust_realloc",
+    ];
+    const PREFIXES: [&str; 5] = [
+        "operator new",
+        "operator delete",
+        "__rdl_",
+        "__rg_",
+        "alloc::alloc::",
+    ];
+    Op::from_name(name).is_some()
+        || NAMES.contains(&name)
+        || PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocator_libraries_by_name() {
+        for lib in [
+            "libc.so.6",
+            "libc-2.31.so",
+            "ld-musl-x86_64.so.1",
+            "libjemalloc.so.2",
+            "libtcmalloc_minimal.so.4",
+        ] {
+            assert!(is_allocator_library(lib), "{lib}");
+        }
+        for other in [
+            "libcrypto.so.3",
+            "ld-linux-x86-64.so.2",
+            "sqlite3",
+            "libstdc++.so.6",
+        ] {
+            assert!(!is_allocator_library(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn allocator_functions_by_name() {
+        for f in [
+            "malloc",
+            "posix_memalign",
+            "__libc_malloc",
+            "operator new(unsigned long)",
+            "operator new[](unsigned long, std::nothrow_t const&)",
+            "__rust_alloc",
+            "alloc::alloc::exchange_malloc",
+        ] {
+            assert!(is_allocator_function(f), "{f}");
+        }
+        for other in ["strdup", "main", "malloc_consolidate_user", "new_node"] {
+            assert!(!is_allocator_function(other), "{other}");
+        }
+    }
+}

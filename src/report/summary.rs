@@ -1,0 +1,321 @@
+//! The report's content as plain data: what `memptrace report` prints as
+//! text and as JSON. Rankings break ties by stack id, and tables by name,
+//! so the same trace always gives the same report.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::scan::{Analysis, StackStats};
+use super::stacks::{Location, Merged, StackTable};
+use super::{ReportError, Trace};
+use crate::event::Op;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub trace: TraceInfo,
+    pub functions: Vec<FunctionRow>,
+    pub heap: HeapTotals,
+    pub top: Rankings,
+    pub threads: Vec<ThreadRow>,
+    pub modules: Vec<ModuleRow>,
+}
+
+/// Facts about the run, from `meta`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TraceInfo {
+    pub path: String,
+    pub command: Option<String>,
+    pub mode: Option<String>,
+    pub started_at: Option<String>,
+    pub duration_ns: Option<u64>,
+    pub end_reason: Option<String>,
+    /// False while memptrace is still writing it, or when it was killed.
+    pub finished: bool,
+    pub events: u64,
+    pub processes: u64,
+    pub threads: u64,
+}
+
+impl TraceInfo {
+    pub fn read(trace: &Trace) -> Result<TraceInfo, ReportError> {
+        let count = |sql: &str| -> Result<u64, ReportError> {
+            trace
+                .conn
+                .query_row(sql, [], |r| r.get::<_, i64>(0))
+                .map(|n| n.max(0) as u64)
+                .map_err(|e| trace.err(e))
+        };
+        Ok(TraceInfo {
+            path: trace.path.display().to_string(),
+            command: trace.meta("command")?,
+            mode: trace.meta("mode")?,
+            started_at: trace.meta("started_at")?,
+            duration_ns: trace.meta("duration_ns")?.and_then(|d| d.parse().ok()),
+            end_reason: trace.meta("end_reason")?,
+            finished: count("SELECT count(*) FROM trace_finished")? > 0,
+            events: 0,
+            processes: count("SELECT count(DISTINCT pid) FROM event_threads")?,
+            threads: count("SELECT count(*) FROM event_threads")?,
+        })
+    }
+}
+
+/// One allocator function.
+#[derive(Clone, Debug, Serialize)]
+pub struct FunctionRow {
+    pub function: &'static str,
+    pub calls: u64,
+    /// Allocating calls that returned no block.
+    pub failed: u64,
+    /// Bytes requested by the calls that returned a block.
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HeapTotals {
+    pub calls: u64,
+    /// Blocks allocated, and the bytes requested for them.
+    pub blocks: u64,
+    pub bytes: u64,
+    /// Calls that released a traced block.
+    pub releases: u64,
+    pub peak_bytes: u64,
+    pub peak_blocks: u64,
+    /// When the peak was first reached: nanoseconds since the trace
+    /// started, and the event.
+    pub peak_ns: i64,
+    pub peak_event: i64,
+    pub leaked_blocks: u64,
+    pub leaked_bytes: u64,
+    /// Blocks released by the next allocator call of their thread.
+    pub temporary: u64,
+}
+
+/// One stack and what was allocated from it.
+#[derive(Clone, Debug, Serialize)]
+pub struct StackRow {
+    /// `stacks.id` of the leaf; several when stacks that read the same were
+    /// merged; empty for the calls without a stack.
+    pub stack_ids: Vec<i64>,
+    pub calls: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub temporary: u64,
+    pub leaked_blocks: u64,
+    pub leaked_bytes: u64,
+    pub peak_blocks: u64,
+    pub peak_bytes: u64,
+    /// The module the stack's allocations are charged to.
+    pub module: String,
+    /// Innermost first.
+    pub frames: Vec<Location>,
+}
+
+/// The top stacks by each measure.
+#[derive(Clone, Debug, Serialize)]
+pub struct Rankings {
+    pub leaked: Vec<StackRow>,
+    pub peak: Vec<StackRow>,
+    pub calls: Vec<StackRow>,
+    pub temporary: Vec<StackRow>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ThreadRow {
+    pub pid: i64,
+    pub tid: i64,
+    pub name: Option<String>,
+    /// Every allocator call, frees included.
+    pub calls: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub temporary: u64,
+    pub leaked_blocks: u64,
+    pub leaked_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+/// What the allocations charged to one module add up to (see
+/// [`super::stacks`] for the rule).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ModuleRow {
+    pub module: String,
+    pub path: Option<String>,
+    /// Calls to the allocating functions.
+    pub calls: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub temporary: u64,
+    pub leaked_blocks: u64,
+    pub leaked_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+impl ModuleRow {
+    fn add(&mut self, s: &StackStats) {
+        self.calls += s.calls;
+        self.blocks += s.blocks;
+        self.bytes += s.bytes;
+        self.temporary += s.temporary;
+        self.leaked_blocks += s.leaked_blocks;
+        self.leaked_bytes += s.leaked_bytes;
+        self.peak_bytes += s.peak_bytes;
+    }
+}
+
+/// A (merged) stack's row, with its frames and owner.
+pub fn stack_row(table: &StackTable, stacks: &[Option<i64>], s: &StackStats) -> StackRow {
+    let stack = stacks.first().copied().flatten();
+    StackRow {
+        stack_ids: stacks.iter().flatten().copied().collect(),
+        calls: s.calls,
+        blocks: s.blocks,
+        bytes: s.bytes,
+        temporary: s.temporary,
+        leaked_blocks: s.leaked_blocks,
+        leaked_bytes: s.leaked_bytes,
+        peak_blocks: s.peak_blocks,
+        peak_bytes: s.peak_bytes,
+        module: table.owner_name(&table.owner(stack)),
+        frames: table.locations(stack),
+    }
+}
+
+/// The `n` (merged) stacks with the largest `key`, ties by stack id;
+/// zeros left out.
+pub fn top_stacks(
+    merged: &[Merged<StackStats>],
+    table: &StackTable,
+    n: usize,
+    key: impl Fn(&StackStats) -> u64,
+) -> Vec<StackRow> {
+    let mut ranked: Vec<&Merged<StackStats>> =
+        merged.iter().filter(|m| key(&m.value) > 0).collect();
+    ranked.sort_by(|a, b| {
+        key(&b.value)
+            .cmp(&key(&a.value))
+            .then(a.stacks.cmp(&b.stacks))
+    });
+    ranked
+        .into_iter()
+        .take(n)
+        .map(|m| stack_row(table, &m.stacks, &m.value))
+        .collect()
+}
+
+impl Summary {
+    pub fn build(
+        trace: &Trace,
+        analysis: &Analysis,
+        table: &StackTable,
+        top: usize,
+    ) -> Result<Summary, ReportError> {
+        let mut info = TraceInfo::read(trace)?;
+        info.events = analysis.events;
+        let functions = Op::ALL
+            .iter()
+            .map(|&op| {
+                let s = analysis.ops[op as usize];
+                FunctionRow {
+                    function: op.name(),
+                    calls: s.calls,
+                    failed: s.failed,
+                    bytes: s.bytes,
+                }
+            })
+            .filter(|f| f.calls > 0)
+            .collect();
+        let heap = HeapTotals {
+            calls: analysis.events,
+            blocks: analysis.blocks,
+            bytes: analysis.bytes,
+            releases: analysis.releases,
+            peak_bytes: analysis.peak.bytes,
+            peak_blocks: analysis.peak.blocks,
+            peak_ns: analysis.peak.ts_ns,
+            peak_event: analysis.peak.event,
+            leaked_blocks: analysis.leaked_blocks,
+            leaked_bytes: analysis.leaked_bytes,
+            temporary: analysis.temporary,
+        };
+        let merged = table.merge(
+            analysis.stacks.iter().map(|(k, v)| (*k, *v)),
+            StackStats::add,
+        );
+        let rankings = Rankings {
+            leaked: top_stacks(&merged, table, top, |s| s.leaked_bytes),
+            peak: top_stacks(&merged, table, top, |s| s.peak_bytes),
+            calls: top_stacks(&merged, table, top, |s| s.calls),
+            temporary: top_stacks(&merged, table, top, |s| s.temporary),
+        };
+        Ok(Summary {
+            trace: info,
+            functions,
+            heap,
+            top: rankings,
+            threads: threads(trace, analysis)?,
+            modules: modules(analysis, table),
+        })
+    }
+}
+
+fn threads(trace: &Trace, analysis: &Analysis) -> Result<Vec<ThreadRow>, ReportError> {
+    let err = |e| trace.err(e);
+    let mut stmt = trace
+        .conn
+        .prepare(
+            "SELECT c.code, c.pid, c.tid, t.name FROM event_threads c
+             LEFT JOIN threads t ON t.tid = c.tid",
+        )
+        .map_err(err)?;
+    let mut rows = stmt.query([]).map_err(err)?;
+    let mut out = Vec::new();
+    while let Some(r) = rows.next().map_err(err)? {
+        let code: i64 = r.get(0).map_err(err)?;
+        let s = analysis
+            .threads
+            .get(&(code as u32))
+            .copied()
+            .unwrap_or_default();
+        out.push(ThreadRow {
+            pid: r.get(1).map_err(err)?,
+            tid: r.get(2).map_err(err)?,
+            name: r.get(3).map_err(err)?,
+            calls: s.calls,
+            blocks: s.blocks,
+            bytes: s.bytes,
+            temporary: s.temporary,
+            leaked_blocks: s.leaked_blocks,
+            leaked_bytes: s.leaked_bytes,
+            peak_bytes: s.peak_bytes,
+        });
+    }
+    out.sort_by(|a, b| {
+        (b.bytes, b.calls)
+            .cmp(&(a.bytes, a.calls))
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+    });
+    Ok(out)
+}
+
+fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {
+    let mut by_name: HashMap<String, ModuleRow> = HashMap::new();
+    for (stack, s) in &analysis.stacks {
+        let owner = table.owner(*stack);
+        let name = table.owner_name(&owner);
+        let row = by_name.entry(name.clone()).or_insert_with(|| ModuleRow {
+            module: name,
+            path: table.owner_path(&owner),
+            ..ModuleRow::default()
+        });
+        row.add(s);
+    }
+    let mut rows: Vec<ModuleRow> = by_name.into_values().filter(|m| m.calls > 0).collect();
+    rows.sort_by(|a, b| {
+        (b.bytes, b.calls)
+            .cmp(&(a.bytes, a.calls))
+            .then(a.module.cmp(&b.module))
+    });
+    rows
+}

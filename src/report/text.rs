@@ -1,0 +1,480 @@
+//! The report as text for a terminal: units people read (KiB, seconds),
+//! thousands separators, aligned tables, and colour only on a terminal.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+
+use super::Color;
+use super::stacks::{Location, file_name};
+use super::summary::{StackRow, Summary};
+
+/// ANSI styles, or none.
+#[derive(Clone, Copy, Debug)]
+pub struct Style {
+    pub color: bool,
+}
+
+impl Style {
+    /// Colour when asked, or on a terminal unless `NO_COLOR` is set
+    /// (no-color.org).
+    pub fn new(choice: Color) -> Style {
+        let color = match choice {
+            Color::Always => true,
+            Color::Never => false,
+            Color::Auto => {
+                std::io::stdout().is_terminal()
+                    && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+            }
+        };
+        Style { color }
+    }
+
+    fn paint(&self, code: &str, text: &str) -> String {
+        if self.color && !text.is_empty() {
+            format!("\x1b[{code}m{text}\x1b[0m")
+        } else {
+            text.to_string()
+        }
+    }
+
+    pub fn heading(&self, text: &str) -> String {
+        self.paint("1", text)
+    }
+
+    /// The number a ranking is by.
+    pub fn value(&self, text: &str) -> String {
+        self.paint("1;33", text)
+    }
+
+    pub fn dim(&self, text: &str) -> String {
+        self.paint("2", text)
+    }
+
+    pub fn module(&self, text: &str) -> String {
+        self.paint("36", text)
+    }
+}
+
+/// `1,234,567`.
+pub fn count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `1 block`, `1,000 blocks`.
+pub fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{} {noun}s", count(n))
+    }
+}
+
+/// `512 B`, `1.5 KiB`, `21.3 MiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// Nanoseconds since the trace started, as `1.234 s`.
+pub fn seconds(ns: i64) -> String {
+    format!("{:.3} s", ns as f64 / 1e9)
+}
+
+/// `12.5 %`, or an empty string for a zero whole.
+pub fn percent(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        return String::new();
+    }
+    format!("{:.1} %", part as f64 * 100.0 / whole as f64)
+}
+
+/// A table with a header: the first column left-aligned, the others right.
+pub struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(header: &[&str]) -> Table {
+        Table {
+            header: header.iter().map(|h| h.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    pub fn render(&self, style: Style, out: &mut String) {
+        let columns = self.header.len();
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (i, cell) in row.iter().enumerate().take(columns) {
+                widths[i] = widths[i].max(cell.chars().count());
+            }
+        }
+        let line = |cells: &[String]| -> String {
+            let mut text = String::from(" ");
+            for (i, cell) in cells.iter().enumerate().take(columns) {
+                let pad = widths[i] - cell.chars().count();
+                if i == 0 {
+                    text.push(' ');
+                    text.push_str(cell);
+                    text.push_str(&" ".repeat(pad));
+                } else {
+                    text.push_str("  ");
+                    text.push_str(&" ".repeat(pad));
+                    text.push_str(cell);
+                }
+            }
+            text.trim_end().to_string()
+        };
+        let _ = writeln!(out, "{}", style.dim(&line(&self.header)));
+        for row in &self.rows {
+            let _ = writeln!(out, "{}", line(row));
+        }
+    }
+}
+
+/// A module name in brackets; `[unknown]` and `[no stack]` already are.
+pub fn bracketed(module: &str) -> String {
+    if module.starts_with('[') {
+        module.to_string()
+    } else {
+        format!("[{module}]")
+    }
+}
+
+/// One line of a stack: `function (file:line)`, the file without its
+/// directories (the JSON output has the whole path).
+pub fn location(style: Style, l: &Location) -> String {
+    let place = match (&l.file, l.line) {
+        (Some(file), Some(line)) => format!(" ({}:{line})", file_name(file)),
+        (Some(file), None) => format!(" ({})", file_name(file)),
+        _ => String::new(),
+    };
+    let inlined = if l.inlined { " [inlined]" } else { "" };
+    format!("{}{}", l.function, style.dim(&format!("{place}{inlined}")))
+}
+
+/// The frames of a stack, indented, at most `frames` of them.
+pub fn stack_lines(style: Style, locations: &[Location], frames: usize, out: &mut String) {
+    if locations.is_empty() {
+        let _ = writeln!(out, "       {}", style.dim("(no stack recorded)"));
+        return;
+    }
+    for l in locations.iter().take(frames) {
+        let _ = writeln!(out, "       {}", location(style, l));
+    }
+    if locations.len() > frames {
+        let more = locations.len() - frames;
+        let _ = writeln!(
+            out,
+            "       {}",
+            style.dim(&format!(
+                "... {more} more frame{}",
+                if more == 1 { "" } else { "s" }
+            ))
+        );
+    }
+}
+
+fn ranking(
+    style: Style,
+    title: &str,
+    rows: &[StackRow],
+    frames: usize,
+    label: impl Fn(&StackRow) -> String,
+    out: &mut String,
+) {
+    let _ = writeln!(out, "\n{}", style.heading(title));
+    if rows.is_empty() {
+        let _ = writeln!(out, "  {}", style.dim("none"));
+        return;
+    }
+    for (i, row) in rows.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  {:>2}. {}  {}",
+            i + 1,
+            label(row),
+            style.module(&bracketed(&row.module))
+        );
+        stack_lines(style, &row.frames, frames, out);
+    }
+}
+
+/// `Top 5 stacks`, `Top stack`.
+fn top_stacks(top: usize) -> String {
+    if top == 1 {
+        "Top stack".to_string()
+    } else {
+        format!("Top {top} stacks")
+    }
+}
+
+/// "... and 3 more" under a table cut at `shown` rows.
+fn more(style: Style, total: usize, shown: usize, what: &str, out: &mut String) {
+    if total > shown {
+        let _ = writeln!(
+            out,
+            "  {}",
+            style.dim(&format!("... and {} more {what}", total - shown))
+        );
+    }
+}
+
+/// The whole report.
+pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> String {
+    let mut out = String::new();
+    let t = &summary.trace;
+    let _ = writeln!(out, "{} {}", style.heading("memptrace report:"), t.path);
+    if let Some(command) = &t.command {
+        let _ = writeln!(out, "  program    {command}");
+    }
+    let mut traced = Vec::new();
+    if let Some(start) = &t.started_at {
+        traced.push(start.clone());
+    }
+    if let Some(d) = t.duration_ns {
+        traced.push(format!("for {}", seconds(d as i64)));
+    }
+    if let Some(reason) = &t.end_reason {
+        traced.push(reason.clone());
+    }
+    if !t.finished {
+        traced.push("not finished (still recording, or memptrace was killed)".to_string());
+    }
+    if !traced.is_empty() {
+        let _ = writeln!(out, "  traced     {}", traced.join(", "));
+    }
+    let _ = writeln!(
+        out,
+        "  events     {} allocator calls from {} thread{} in {} process{}",
+        count(t.events),
+        count(t.threads),
+        if t.threads == 1 { "" } else { "s" },
+        count(t.processes),
+        if t.processes == 1 { "" } else { "es" }
+    );
+
+    let h = &summary.heap;
+    let _ = writeln!(out, "\n{}", style.heading("Heap"));
+    let _ = writeln!(
+        out,
+        "  allocated  {} in {}",
+        bytes(h.bytes),
+        counted(h.blocks, "block")
+    );
+    let _ = writeln!(
+        out,
+        "  peak       {} in {}, at {} (event {})",
+        style.value(&bytes(h.peak_bytes)),
+        counted(h.peak_blocks, "block"),
+        seconds(h.peak_ns),
+        count(h.peak_event.max(0) as u64)
+    );
+    let _ = writeln!(
+        out,
+        "  leaked     {} in {}, never freed while traced",
+        style.value(&bytes(h.leaked_bytes)),
+        counted(h.leaked_blocks, "block")
+    );
+    let _ = writeln!(
+        out,
+        "  temporary  {} ({} of blocks), freed by their thread's next allocator call",
+        counted(h.temporary, "block"),
+        percent(h.temporary, h.blocks)
+    );
+
+    let _ = writeln!(out, "\n{}", style.heading("Calls per function"));
+    let mut table = Table::new(&["function", "calls", "failed", "bytes requested"]);
+    for f in &summary.functions {
+        let allocates = f.function != "free";
+        table.row(vec![
+            f.function.to_string(),
+            count(f.calls),
+            if allocates {
+                count(f.failed)
+            } else {
+                String::new()
+            },
+            if allocates {
+                bytes(f.bytes)
+            } else {
+                String::new()
+            },
+        ]);
+    }
+    table.row(vec![
+        "total".to_string(),
+        count(summary.functions.iter().map(|f| f.calls).sum()),
+        count(summary.functions.iter().map(|f| f.failed).sum()),
+        bytes(h.bytes),
+    ]);
+    table.render(style, &mut out);
+
+    let r = &summary.top;
+    ranking(
+        style,
+        &format!("{} by leaked bytes", top_stacks(top)),
+        &r.leaked,
+        frames,
+        |s| {
+            format!(
+                "{} in {}",
+                style.value(&bytes(s.leaked_bytes)),
+                counted(s.leaked_blocks, "block")
+            )
+        },
+        &mut out,
+    );
+    ranking(
+        style,
+        &format!("{} by bytes in use at the peak", top_stacks(top)),
+        &r.peak,
+        frames,
+        |s| {
+            format!(
+                "{} in {}",
+                style.value(&bytes(s.peak_bytes)),
+                counted(s.peak_blocks, "block")
+            )
+        },
+        &mut out,
+    );
+    ranking(
+        style,
+        &format!("{} by allocation calls", top_stacks(top)),
+        &r.calls,
+        frames,
+        |s| {
+            format!(
+                "{}, {}",
+                style.value(&counted(s.calls, "call")),
+                bytes(s.bytes)
+            )
+        },
+        &mut out,
+    );
+    ranking(
+        style,
+        &format!("{} by temporary blocks", top_stacks(top)),
+        &r.temporary,
+        frames,
+        |s| {
+            format!(
+                "{} temporary of {}",
+                style.value(&count(s.temporary)),
+                counted(s.blocks, "block")
+            )
+        },
+        &mut out,
+    );
+
+    let _ = writeln!(out, "\n{}", style.heading("Threads"));
+    let mut table = Table::new(&[
+        "thread",
+        "calls",
+        "allocated",
+        "at peak",
+        "leaked",
+        "temporary",
+    ]);
+    for th in summary.threads.iter().take(top) {
+        let name = th.name.as_deref().unwrap_or("");
+        table.row(vec![
+            format!("{} {name}", th.tid),
+            count(th.calls),
+            bytes(th.bytes),
+            bytes(th.peak_bytes),
+            bytes(th.leaked_bytes),
+            count(th.temporary),
+        ]);
+    }
+    table.render(style, &mut out);
+    more(style, summary.threads.len(), top, "threads", &mut out);
+
+    let _ = writeln!(
+        out,
+        "\n{}",
+        style.heading("Modules (each allocation charged to its first frame outside the allocator)")
+    );
+    let mut table = Table::new(&[
+        "module",
+        "calls",
+        "allocated",
+        "at peak",
+        "leaked",
+        "temporary",
+    ]);
+    for m in summary.modules.iter().take(top) {
+        table.row(vec![
+            m.module.clone(),
+            count(m.calls),
+            bytes(m.bytes),
+            bytes(m.peak_bytes),
+            bytes(m.leaked_bytes),
+            count(m.temporary),
+        ]);
+    }
+    table.render(style, &mut out);
+    more(style, summary.modules.len(), top, "modules", &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_for_people() {
+        assert_eq!(count(0), "0");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(1000), "1,000");
+        assert_eq!(count(1_234_567), "1,234,567");
+        assert_eq!(counted(1, "block"), "1 block");
+        assert_eq!(counted(1000, "block"), "1,000 blocks");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1024), "1.0 KiB");
+        assert_eq!(bytes(3 << 20), "3.0 MiB");
+        assert_eq!(seconds(1_234_567_890), "1.235 s");
+        assert_eq!(percent(1, 8), "12.5 %");
+        assert_eq!(percent(1, 0), "");
+    }
+
+    #[test]
+    fn tables_align() {
+        let mut t = Table::new(&["name", "n"]);
+        t.row(vec!["a".into(), "1,000".into()]);
+        t.row(vec!["longer".into(), "2".into()]);
+        let mut out = String::new();
+        t.render(Style { color: false }, &mut out);
+        assert_eq!(out, "  name        n\n  a       1,000\n  longer      2\n");
+    }
+
+    #[test]
+    fn colour_only_when_asked() {
+        let on = Style { color: true };
+        assert_eq!(on.heading("x"), "\x1b[1mx\x1b[0m");
+        assert_eq!(Style { color: false }.heading("x"), "x");
+    }
+}

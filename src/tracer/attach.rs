@@ -1,0 +1,241 @@
+//! Attaching to a running process: seize every thread, including the ones
+//! created while memptrace is seizing, stop them all, hook the images while
+//! they stand still, and let each go exactly as it was.
+//!
+//! What must not happen (`ptrace(2)`): a stopped process woken up (a thread
+//! found in group-stop is answered with PTRACE_LISTEN, never CONT), a signal
+//! lost (a thread that reports a signal-delivery-stop instead of the
+//! interrupt gets that signal back when resumed), a system call failing with
+//! EINTR (PTRACE_INTERRUPT stops are not signals to the program: an
+//! interrupted call restarts when the thread resumes with its registers as
+//! they were).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::detach::Stopping;
+use super::space::Space;
+use super::{Process, Progress, Role, TraceError, TraceOptions, Tracer, is_stopping_signal};
+use crate::os::procfs;
+use crate::os::ptrace::{self, Stop, Tid};
+use crate::unwind::pipeline::PipelineHandle;
+
+/// How a thread stopped by the attach goes on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resume {
+    /// Continue, delivering this signal (0 for none).
+    Cont(i32),
+    /// It is in group-stop: stay stopped (PTRACE_LISTEN).
+    Listen,
+}
+
+impl Tracer {
+    /// Attach to the running process `pid` and hook it. On return every thread
+    /// runs again (or stays in the group-stop it was found in) and the wait
+    /// loop takes over. On error nothing of the process was changed and every
+    /// thread seized is detached.
+    pub fn attach(
+        opts: TraceOptions,
+        pipeline: PipelineHandle,
+        pid: Tid,
+        clock: Instant,
+        progress: Arc<Progress>,
+    ) -> Result<Tracer, TraceError> {
+        match procfs::tgid(pid) {
+            None => return Err(TraceError::NoSuchProcess(pid)),
+            Some(tgid) if tgid != pid => {
+                return Err(TraceError::NotAProcess {
+                    tid: pid,
+                    pid: tgid,
+                });
+            }
+            Some(_) => {}
+        }
+        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress)?;
+        tracer.attached = true;
+        tracer.processes.insert(
+            pid,
+            Process {
+                role: Role::Traced,
+                space: None,
+            },
+        );
+        let seized = seize_all(pid)?;
+        for &tid in &seized {
+            tracer.add_thread(tid, pid);
+        }
+        match tracer.hook_stopped(pid, &seized) {
+            Ok(()) => Ok(tracer),
+            Err(err) => {
+                // Let go of what was seized; nothing was planted (or what was
+                // is put back by the detach).
+                let _ = tracer.detach_all();
+                Err(err)
+            }
+        }
+    }
+
+    /// Stop every seized thread, hook the images, resume them.
+    fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
+        let resume = self.stop_all(pid, seized)?;
+        // A stopped thread runs the injected mmap calls that map the
+        // trampoline pages: the leader if it can, a thread in group-stop last.
+        let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_)));
+        let worker = [pid]
+            .into_iter()
+            .chain(resume.keys().copied())
+            .find(runs)
+            .or_else(|| resume.keys().next().copied())
+            .ok_or(TraceError::NoSuchProcess(pid))?;
+        let space = Space::new(pid)?;
+        if let Some(process) = self.processes.get_mut(&pid) {
+            process.space = Some(space);
+        }
+        // Signals the worker received while running injected calls.
+        let mut arrived = self.refresh_images(pid, worker)?;
+        if self.stats.hooked_functions == 0 {
+            return Err(TraceError::NoAllocator(pid));
+        }
+        for (tid, how) in resume {
+            match how {
+                Resume::Listen => {
+                    if tid == worker {
+                        for sig in arrived.drain(..) {
+                            let _ = ptrace::tgkill(pid, tid, sig);
+                        }
+                    }
+                    match ptrace::listen(tid) {
+                        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
+                        other => other?,
+                    }
+                }
+                Resume::Cont(sig) => {
+                    let mut signals: Vec<i32> = (sig != 0).then_some(sig).into_iter().collect();
+                    if tid == worker {
+                        signals.append(&mut arrived);
+                    }
+                    self.resume_with(tid, signals)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// PTRACE_INTERRUPT every thread and wait until each has reported a stop.
+    /// Threads born meanwhile are adopted stopped. Returns how each stopped
+    /// thread must be resumed.
+    fn stop_all(&mut self, pid: Tid, seized: &[Tid]) -> Result<HashMap<Tid, Resume>, TraceError> {
+        let mut waiting: HashSet<Tid> = HashSet::new();
+        for &tid in seized {
+            if ptrace::interrupt(tid).is_ok() {
+                waiting.insert(tid);
+            }
+        }
+        let mut resume = HashMap::new();
+        while !waiting.is_empty() {
+            let (tid, stop) = match self.next_stop_while_stopping()? {
+                Stopping::Known(tid, stop) => (tid, stop),
+                Stopping::Adopted(tid) => {
+                    resume.insert(tid, Resume::Cont(0));
+                    continue;
+                }
+                Stopping::Nothing => continue,
+                Stopping::NoneLeft => break,
+            };
+            match stop {
+                Stop::Exited(_) | Stop::Killed { .. } => {
+                    waiting.remove(&tid);
+                    resume.remove(&tid);
+                    self.thread_gone(tid, stop)?;
+                    if tid == pid {
+                        return Err(TraceError::NoSuchProcess(pid));
+                    }
+                }
+                Stop::EventStop(sig) if is_stopping_signal(sig) => {
+                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Listen);
+                }
+                Stop::Signal(sig) => {
+                    // The signal came first; the interrupt is still pending and
+                    // is reported (and ignored) once the thread runs again.
+                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Cont(sig));
+                }
+                Stop::Event(event) => {
+                    if matches!(
+                        event,
+                        libc::PTRACE_EVENT_CLONE
+                            | libc::PTRACE_EVENT_FORK
+                            | libc::PTRACE_EVENT_VFORK
+                    ) {
+                        let before: HashSet<Tid> = self.threads.keys().copied().collect();
+                        self.announce_child(tid, event, true)?;
+                        for new in self.threads.keys() {
+                            if !before.contains(new) {
+                                resume.insert(*new, Resume::Cont(0));
+                            }
+                        }
+                    }
+                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Cont(0));
+                }
+                Stop::EventStop(_) | Stop::Syscall => {
+                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Cont(0));
+                }
+            }
+        }
+        Ok(resume)
+    }
+}
+
+/// Seize every thread of `pid`, again and again until no new one appears:
+/// a thread not yet seized can create threads that nobody auto-attaches.
+fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
+    let mut seen = HashSet::new();
+    let mut seized = Vec::new();
+    loop {
+        let tids = match procfs::threads(pid) {
+            Ok(tids) => tids,
+            Err(_) if seized.is_empty() => return Err(TraceError::NoSuchProcess(pid)),
+            Err(_) => break,
+        };
+        let mut new = false;
+        for tid in tids {
+            if !seen.insert(tid) {
+                continue;
+            }
+            new = true;
+            match ptrace::seize(tid) {
+                Ok(()) => seized.push(tid),
+                // It exited meanwhile.
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) && tid != pid => {}
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
+                    release(&seized);
+                    return Err(TraceError::NoSuchProcess(pid));
+                }
+                Err(source) => {
+                    release(&seized);
+                    let tracer = procfs::tracer_pid(pid).filter(|&t| t != 0);
+                    return Err(TraceError::Denied {
+                        pid,
+                        source,
+                        tracer,
+                    });
+                }
+            }
+        }
+        if !new {
+            break;
+        }
+    }
+    Ok(seized)
+}
+
+/// Detach threads seized but never stopped (PTRACE_DETACH needs a stop).
+fn release(seized: &[Tid]) {
+    for &tid in seized {
+        super::detach::detach_running(tid);
+    }
+}

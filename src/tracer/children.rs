@@ -1,0 +1,165 @@
+//! Children of a traced process: threads join the trace; a forked child
+//! either joins it too (`--follow-forks`) or is cleaned and released; a
+//! vfork child (or any clone that shares memory) runs in its parent's memory,
+//! breakpoints included, unrecorded, until it execs.
+//!
+//! A forked child is a copy of its parent at the fork: the int3 bytes, the
+//! trampoline pages and the stacks. Released, it gets the original bytes back
+//! and loses the pages before it runs a single instruction; followed, it gets
+//! a copy of its parent's [`Space`] with modules of its own.
+
+use super::space::Space;
+use super::{Child, Process, Role, Thread, TraceError, Tracer, detach};
+use crate::os::procfs;
+use crate::os::ptrace::{self, Tid};
+
+impl Tracer {
+    /// A clone/fork/vfork event: learn what the child is. Its first stop may
+    /// already have arrived (then it is adopted now) or may come later.
+    /// `stopped`: adopt it without resuming it (while detaching).
+    pub(super) fn announce_child(
+        &mut self,
+        tid: Tid,
+        event: i32,
+        stopped: bool,
+    ) -> Result<(), TraceError> {
+        let child = ptrace::event_msg(tid)? as Tid;
+        let pid = self.threads[&tid].pid;
+        let kind = match event {
+            libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
+            libc::PTRACE_EVENT_VFORK => Child::Shared { parent: pid },
+            _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
+            // A clone that is not a thread may share memory (CLONE_VM):
+            // treat it like vfork, never touch the shared code.
+            _ => Child::Shared { parent: pid },
+        };
+        match (self.early.remove(&child), stopped) {
+            (Some(_), false) => self.adopt(child, kind),
+            (Some(_), true) => self.adopt_stopped(child, kind),
+            (None, _) => {
+                self.announced.insert(child, kind);
+                Ok(())
+            }
+        }
+    }
+
+    /// The first stop of an announced child.
+    pub(super) fn adopt(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
+        match child {
+            Child::Thread { pid } => {
+                self.add_thread(tid, pid);
+                self.resume(tid, 0)
+            }
+            Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
+            Child::Fork { parent } => self.release_fork(tid, parent),
+            Child::Shared { parent } => {
+                self.processes.insert(
+                    tid,
+                    Process {
+                        role: Role::Shares { parent },
+                        space: None,
+                    },
+                );
+                self.threads.insert(
+                    tid,
+                    Thread {
+                        pid: tid,
+                        in_call: None,
+                        stack: None,
+                        start_ns: self.now_ns(),
+                    },
+                );
+                self.resume(tid, 0)
+            }
+        }
+    }
+
+    /// Children still running in the memory of a process that is gone (a
+    /// clone with CLONE_VM that outlived it) get the original code back
+    /// through the dead process's open /proc/PID/mem, which still holds the
+    /// shared memory, and are released.
+    pub(super) fn release_sharers(&mut self, pid: Tid, mut space: Space) -> Result<(), TraceError> {
+        let sharers: Vec<Tid> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.role == Role::Shares { parent: pid })
+            .map(|(child, _)| *child)
+            .collect();
+        if sharers.is_empty() {
+            return Ok(());
+        }
+        if let Err(err) = space.restore_all() {
+            self.stats
+                .warnings
+                .push(format!("restoring code shared with {sharers:?}: {err}"));
+        }
+        for child in sharers {
+            self.processes.remove(&child);
+            let tids: Vec<Tid> = self
+                .threads
+                .iter()
+                .filter(|(_, t)| t.pid == child)
+                .map(|(t, _)| *t)
+                .collect();
+            for t in tids {
+                self.threads.remove(&t);
+                // It is running: PTRACE_DETACH needs a stop first.
+                detach::detach_running(t);
+            }
+        }
+        Ok(())
+    }
+
+    /// A forked child, at its first stop: trace it as its parent was traced.
+    fn follow_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) else {
+            return self.release_fork(tid, parent);
+        };
+        let copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        let now = self.now_ns();
+        let modules: Vec<_> = copy.modules.values().cloned().collect();
+        for module in &modules {
+            self.announce_image(tid, module, now);
+        }
+        self.processes.insert(
+            tid,
+            Process {
+                role: Role::Traced,
+                space: Some(copy),
+            },
+        );
+        self.add_thread(tid, tid);
+        self.resume(tid, 0)
+    }
+
+    /// A forked child not to be traced: put the original bytes back in its
+    /// copy of memory, unmap its copies of the trampoline pages, let it go.
+    fn release_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let mut deliver = 0;
+        if let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) {
+            let cleaned = space
+                .restore_into(tid)
+                .map_err(|e| e.to_string())
+                .and_then(|()| space.unmap_areas_in(tid).map_err(|e| e.to_string()));
+            match cleaned {
+                Ok(signals) => {
+                    for (i, sig) in signals.into_iter().enumerate() {
+                        if i == 0 {
+                            deliver = sig;
+                        } else {
+                            let _ = ptrace::tgkill(tid, tid, sig);
+                        }
+                    }
+                }
+                Err(err) => self
+                    .stats
+                    .warnings
+                    .push(format!("cleaning code in child {tid}: {err}")),
+            }
+        }
+        match ptrace::detach(tid, deliver) {
+            Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+            other => Ok(other?),
+        }
+    }
+}
