@@ -453,8 +453,12 @@ pub struct Trace {
 pub fn trace_program(program: &Path, args: &[&str], options: &[&str]) -> Trace {
     let dir = scratch(program.file_name().unwrap().to_str().unwrap());
     let path = dir.join("trace.db");
+    // Not cargo's LD_LIBRARY_PATH: static glibc copies it at start-up
+    // (_dl_init_paths), so the program's own allocations, which golden
+    // files show, would depend on where the checkout is.
     let run = run(
         memptrace()
+            .env_remove("LD_LIBRARY_PATH")
             .arg("-o")
             .arg(&path)
             .args(options)
