@@ -3,7 +3,8 @@
  * are removed, its first malloc kills it with SIGTRAP. Each child checks
  * itself and exits with a known status, which the parent checks; the program
  * exits 0 only if every child behaved. Children are not traced, so only the
- * parent's calls are in the ground truth. */
+ * parent's calls are in the ground truth. With `exec PROGRAM`, it runs
+ * PROGRAM in a forked child instead. */
 #include <spawn.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -52,10 +53,22 @@ static int check(const char *what, int status, int want)
     return 0;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
     int ok = 1, status;
+    /* `forks exec PROGRAM`: allocate, then run PROGRAM in a forked child and
+     * exit with its status. */
+    if (argc > 2 && strcmp(argv[1], "exec") == 0) {
+        parent_release(parent_alloc(10));
+        pid_t pid = fork();
+        if (pid == 0) {
+            execv(argv[2], argv + 2);
+            _exit(127);
+        }
+        waitpid(pid, &status, 0);
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    }
     int calls = 0;
 
     parent_release(parent_alloc(10)), calls++;
@@ -76,8 +89,8 @@ int main(void)
     ok &= check("vfork", status, 43);
     parent_release(parent_alloc(30)), calls++;
 
-    char *argv[] = {"sh", "-c", "exit 44", NULL};
-    if (posix_spawn(&pid, "/bin/sh", NULL, NULL, argv, environ) != 0)
+    char *sh_argv[] = {"sh", "-c", "exit 44", NULL};
+    if (posix_spawn(&pid, "/bin/sh", NULL, NULL, sh_argv, environ) != 0)
         ok = 0;
     waitpid(pid, &status, 0);
     ok &= check("posix_spawn", status, 44);

@@ -244,7 +244,7 @@ impl Tracer {
                 return (ret, CallStack::CallerOnly(ret));
             }
         }
-        if let Some(libunwind) = self.libunwind.as_mut() {
+        if let Some(libunwind) = self.libunwind.get_mut(&pid) {
             let ret = mem::read_u64(pid, sp).unwrap_or(0);
             let sample = StackSample {
                 ip: ret,

@@ -16,6 +16,7 @@ mod calls;
 mod callsite;
 mod children;
 mod detach;
+mod images;
 mod inject;
 mod ledger;
 mod space;
@@ -36,7 +37,7 @@ use crate::unwind::UnwinderKind;
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
 use ledger::Ledger;
-use space::{Changes, Space};
+use space::Space;
 
 pub use trampoline::RelocateError;
 
@@ -185,7 +186,9 @@ pub struct Tracer {
     next_module_id: u64,
     root: Tid,
     ending: Option<Ending>,
-    libunwind: Option<LibunwindUnwinder>,
+    /// libunwind's state per traced process (`--unwinder libunwind` only):
+    /// images of different processes may share addresses.
+    libunwind: HashMap<Tid, LibunwindUnwinder>,
     aliases: HashMap<(Tid, u64), Op>,
     /// Calls seen per call site (pid, return address), for `stack_every`.
     sites: HashMap<(Tid, u64), u64>,
@@ -227,10 +230,6 @@ impl Tracer {
         clock: Instant,
         progress: Arc<Progress>,
     ) -> io::Result<Tracer> {
-        let libunwind = match opts.unwinder {
-            UnwinderKind::Libunwind if opts.stacks => Some(LibunwindUnwinder::new()?),
-            _ => None,
-        };
         let deadline = opts.duration.map(|d| Instant::now() + d);
         Ok(Tracer {
             opts,
@@ -246,7 +245,7 @@ impl Tracer {
             next_module_id: 0,
             root,
             ending: None,
-            libunwind,
+            libunwind: HashMap::new(),
             aliases: HashMap::new(),
             sites: HashMap::new(),
             progress,
@@ -450,57 +449,6 @@ impl Tracer {
         }
     }
 
-    fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
-        let pid = self.threads[&tid].pid;
-        // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
-        // under ptrace"); the exec'ing thread now has the leader's tid.
-        let gone: Vec<Tid> = self
-            .threads
-            .iter()
-            .filter(|(t, th)| th.pid == pid && **t != tid)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in gone {
-            self.threads.remove(&t);
-            if let Some(lu) = self.libunwind.as_mut() {
-                lu.forget_thread(t);
-            }
-        }
-        if let Some(thread) = self.threads.get_mut(&tid) {
-            thread.in_call = None;
-            thread.stack = None;
-        }
-        let role = self.processes.get(&pid).map(|p| p.role);
-        match role {
-            Some(Role::Shares { .. }) if !self.opts.follow_forks => {
-                // A vfork child now has its own, clean, address space.
-                self.processes.remove(&pid);
-                self.threads.remove(&tid);
-                return match ptrace::detach(tid, 0) {
-                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                    other => Ok(other?),
-                };
-            }
-            Some(Role::Traced) => {
-                self.forget_images(pid);
-                self.ledger.forget_process(pid as u32);
-                self.aliases.retain(|(p, _), _| *p != pid);
-                self.sites.retain(|(p, _), _| *p != pid);
-            }
-            _ => {}
-        }
-        let space = Space::new(pid)?;
-        let process = self.processes.entry(pid).or_insert(Process {
-            role: Role::Traced,
-            space: None,
-        });
-        process.role = Role::Traced;
-        process.space = Some(space);
-        self.send_thread(tid, None);
-        let signals = self.refresh_images(pid, tid)?;
-        self.resume_with(tid, signals)
-    }
-
     /// Resume a thread delivering the first signal now and queueing the rest.
     fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
         let pid = self.threads.get(&tid).map_or(tid, |t| t.pid);
@@ -510,77 +458,11 @@ impl Tracer {
         self.resume(tid, signals.first().copied().unwrap_or(0))
     }
 
-    /// Re-read the process's images, hook new ones and tell the pipeline.
-    /// Returns signals that arrived while system calls were injected.
-    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
-            return Ok(Vec::new());
-        };
-        let changes = space.refresh(tid, &mut self.next_module_id)?;
-        let hooked = space.breakpoints.len() as u64;
-        let Changes {
-            added,
-            removed,
-            signals,
-            warnings,
-        } = changes;
-        let now = self.now_ns();
-        for module in removed {
-            self.send(TraceMsg::ImageGone {
-                pid: pid as u32,
-                module_id: module.id,
-                range: module.range.clone(),
-                ts_ns: now,
-            });
-            if let Some(lu) = self.libunwind.as_mut() {
-                crate::unwind::Unwinder::remove_image(lu, module.range);
-            }
-        }
-        for module in added {
-            self.stats.images += 1;
-            self.announce_image(pid, &module, now);
-        }
-        self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
-        self.stats.warnings.extend(warnings);
-        Ok(signals)
-    }
-
-    /// Tell the unwinders and the pipeline about an image of process `pid`.
-    fn announce_image(&mut self, pid: Tid, module: &space::LoadedModule, now: u64) {
-        let mapped = module.mapped();
-        if let Some(lu) = self.libunwind.as_mut() {
-            crate::unwind::Unwinder::add_image(lu, &mapped);
-        }
-        self.send(TraceMsg::Image {
-            pid: pid as u32,
-            mapped,
-            record: module.record(pid, now),
-        });
-    }
-
-    fn forget_images(&mut self, pid: Tid) {
-        let Some(space) = self.processes.get(&pid).and_then(|p| p.space.as_ref()) else {
-            return;
-        };
-        let now = self.now_ns();
-        let gone: Vec<TraceMsg> = space
-            .modules
-            .values()
-            .map(|m| TraceMsg::ImageGone {
-                pid: pid as u32,
-                module_id: m.id,
-                range: m.range.clone(),
-                ts_ns: now,
-            })
-            .collect();
-        self.batch.extend(gone);
-    }
-
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
         let Some(thread) = self.threads.remove(&tid) else {
             return Ok(());
         };
-        if let Some(lu) = self.libunwind.as_mut() {
+        if let Some(lu) = self.libunwind.get_mut(&thread.pid) {
             lu.forget_thread(tid);
         }
         if thread.in_call.is_some() {
@@ -592,6 +474,7 @@ impl Tracer {
         // The leader's exit is reported last: the whole process is gone.
         let process = self.processes.remove(&tid);
         self.threads.retain(|_, t| t.pid != tid);
+        self.libunwind.remove(&tid);
         if let Some(process) = process {
             if matches!(process.role, Role::Traced | Role::Prelaunch) {
                 self.send(TraceMsg::ProcessGone { pid: tid as u32 });

@@ -73,6 +73,30 @@ fn follow_forks() {
     }
 }
 
+/// -f with libunwind: a forked child that execs another program at the same
+/// addresses (two static, non-PIE executables at 0x400000) is unwound with
+/// its own unwind tables, not its parent's.
+#[test]
+fn follow_forks_libunwind_exec_at_the_same_addresses() {
+    let deep = tracee(Variant::Static, "deep");
+    let t = trace(
+        Variant::Static,
+        "forks",
+        &["exec", deep.to_str().unwrap()],
+        &["-f", "--unwinder", "libunwind"],
+    );
+    assert_eq!(t.run.code(), 0, "{}", t.run.stderr);
+    let pid: i64 = t.meta("pid").unwrap().parse().unwrap();
+    let stacks = t.stacks_from("deep_inner", "malloc");
+    assert_eq!(stacks.len(), 1);
+    assert_eq!(
+        t.stack_functions(stacks[0])[..4],
+        ["deep_inner", "deep_middle", "deep_outer", "main"]
+    );
+    let child = t.int("SELECT DISTINCT pid FROM events WHERE op = 'malloc' AND size = 12");
+    assert_ne!(child, pid, "deep ran in the child");
+}
+
 #[test]
 fn crashes_are_recorded() {
     for variant in [Variant::Dynamic, Variant::Static, Variant::Musl] {

@@ -1,0 +1,151 @@
+//! A process's images: found at exec and at every stop on the dynamic
+//! linker's hook, hooked, announced to the unwinders and the pipeline, and
+//! forgotten when unmapped or replaced by an exec.
+
+use super::space::{Changes, LoadedModule, Space};
+use super::{Process, Role, TraceError, Tracer};
+use crate::os::ptrace::{self, Tid};
+use crate::unwind::libunwind::LibunwindUnwinder;
+use crate::unwind::pipeline::TraceMsg;
+use crate::unwind::{Unwinder, UnwinderKind};
+
+impl Tracer {
+    pub(super) fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
+        let pid = self.threads[&tid].pid;
+        // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
+        // under ptrace"); the exec'ing thread now has the leader's tid.
+        let gone: Vec<Tid> = self
+            .threads
+            .iter()
+            .filter(|(t, th)| th.pid == pid && **t != tid)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in gone {
+            self.threads.remove(&t);
+        }
+        // A new address space: libunwind starts afresh.
+        self.libunwind.remove(&pid);
+        if let Some(thread) = self.threads.get_mut(&tid) {
+            thread.in_call = None;
+            thread.stack = None;
+        }
+        let role = self.processes.get(&pid).map(|p| p.role);
+        match role {
+            Some(Role::Shares { .. }) if !self.opts.follow_forks => {
+                // A vfork child now has its own, clean, address space.
+                self.processes.remove(&pid);
+                self.threads.remove(&tid);
+                return match ptrace::detach(tid, 0) {
+                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+                    other => Ok(other?),
+                };
+            }
+            Some(Role::Traced) => {
+                self.forget_images(pid);
+                self.ledger.forget_process(pid as u32);
+                self.aliases.retain(|(p, _), _| *p != pid);
+                self.sites.retain(|(p, _), _| *p != pid);
+            }
+            _ => {}
+        }
+        let space = Space::new(pid)?;
+        let process = self.processes.entry(pid).or_insert(Process {
+            role: Role::Traced,
+            space: None,
+        });
+        process.role = Role::Traced;
+        process.space = Some(space);
+        self.send_thread(tid, None);
+        let signals = self.refresh_images(pid, tid)?;
+        self.resume_with(tid, signals)
+    }
+
+    /// Re-read the process's images, hook new ones and tell the pipeline.
+    /// Returns signals that arrived while system calls were injected.
+    pub(super) fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
+        let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+            return Ok(Vec::new());
+        };
+        let changes = space.refresh(tid, &mut self.next_module_id)?;
+        let hooked = space.breakpoints.len() as u64;
+        let Changes {
+            added,
+            removed,
+            signals,
+            warnings,
+        } = changes;
+        let now = self.now_ns();
+        for module in removed {
+            self.send(TraceMsg::ImageGone {
+                pid: pid as u32,
+                module_id: module.id,
+                range: module.range.clone(),
+                ts_ns: now,
+            });
+            if let Some(lu) = self.libunwind.get_mut(&pid) {
+                lu.remove_image(module.range);
+            }
+        }
+        for module in added {
+            self.stats.images += 1;
+            self.announce_image(pid, &module, now);
+        }
+        self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
+        self.stats.warnings.extend(warnings);
+        Ok(signals)
+    }
+
+    /// Tell the unwinders and the pipeline about an image of process `pid`.
+    pub(super) fn announce_image(&mut self, pid: Tid, module: &LoadedModule, now: u64) {
+        let mapped = module.mapped();
+        if let Some(lu) = self.libunwind_of(pid) {
+            lu.add_image(&mapped);
+        }
+        self.send(TraceMsg::Image {
+            pid: pid as u32,
+            mapped,
+            record: module.record(pid, now),
+        });
+    }
+
+    fn forget_images(&mut self, pid: Tid) {
+        let Some(space) = self.processes.get(&pid).and_then(|p| p.space.as_ref()) else {
+            return;
+        };
+        let now = self.now_ns();
+        let gone: Vec<TraceMsg> = space
+            .modules
+            .values()
+            .map(|m| TraceMsg::ImageGone {
+                pid: pid as u32,
+                module_id: m.id,
+                range: m.range.clone(),
+                ts_ns: now,
+            })
+            .collect();
+        self.batch.extend(gone);
+    }
+
+    /// libunwind's state for process `pid`, made on first use; `None` when
+    /// stacks are not unwound with libunwind, or libunwind failed to start
+    /// (the trace goes on without those stacks).
+    fn libunwind_of(&mut self, pid: Tid) -> Option<&mut LibunwindUnwinder> {
+        if !(self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind) {
+            return None;
+        }
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.libunwind.entry(pid) {
+            match LibunwindUnwinder::new() {
+                Ok(lu) => {
+                    slot.insert(lu);
+                }
+                Err(err) => {
+                    self.stats
+                        .warnings
+                        .push(format!("process {pid}: libunwind: {err}"));
+                    return None;
+                }
+            }
+        }
+        self.libunwind.get_mut(&pid)
+    }
+}
