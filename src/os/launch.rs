@@ -42,7 +42,7 @@ fn cstring(bytes: &[u8]) -> io::Result<CString> {
     CString::new(bytes).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in argument"))
 }
 
-/// Fork a child that will execve `program` with `args` (args[0] included) and
+/// Fork a child that will execve `program` with `args` (`args[0]` included) and
 /// the current environment, and seize it. The child keeps memptrace's stdin,
 /// stdout and stderr. On return the child is running towards execve; the
 /// caller's wait loop sees a PTRACE_EVENT_EXEC stop (or the child's exit with

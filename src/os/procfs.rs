@@ -22,7 +22,7 @@ pub struct Mapping {
 }
 
 impl Mapping {
-    /// True for a mapping of a regular file (not [heap], [vdso], anonymous...).
+    /// True for a mapping of a regular file (not `[heap]`, `[vdso]`, anonymous...).
     pub fn is_file(&self) -> bool {
         self.inode != 0 && self.path.starts_with('/')
     }

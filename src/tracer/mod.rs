@@ -1,8 +1,8 @@
 //! The wait loop: every stop of every traced thread comes through here.
 //!
 //! The tracer owns the processes and threads it traces, their address spaces
-//! ([`space`]) and the book of live blocks ([`ledger`]). It turns breakpoint
-//! stops into calls ([`calls`]) and hands them, with everything else it learns
+//! (`space`) and the book of live blocks (`ledger`). It turns breakpoint
+//! stops into calls (`calls`) and hands them, with everything else it learns
 //! (images, threads), to the pipeline thread in batches. It never writes a
 //! database and never unwinds with framehop itself: the stop path stays short.
 //!
