@@ -138,7 +138,7 @@ pub struct OpStats {
 }
 
 /// What happened at one stack (the allocations made from it).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StackStats {
     /// Calls to the allocating functions, failed ones included.
     pub calls: u64,
@@ -165,7 +165,7 @@ impl StackStats {
 }
 
 /// What one thread did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ThreadStats {
     /// Every allocator call, frees included.
     pub calls: u64,

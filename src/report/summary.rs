@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::scan::{Analysis, StackStats};
+use super::scan::{Analysis, StackStats, ThreadStats};
 use super::stacks::{Location, Merged, StackTable};
 use super::{ReportError, Trace};
 use crate::event::Op;
@@ -98,14 +98,8 @@ pub struct StackRow {
     /// `stacks.id` of the leaf; several when stacks that read the same were
     /// merged; empty for the calls without a stack.
     pub stack_ids: Vec<i64>,
-    pub calls: u64,
-    pub blocks: u64,
-    pub bytes: u64,
-    pub temporary: u64,
-    pub leaked_blocks: u64,
-    pub leaked_bytes: u64,
-    pub peak_blocks: u64,
-    pub peak_bytes: u64,
+    #[serde(flatten)]
+    pub totals: StackStats,
     /// The module the stack's allocations are charged to.
     pub module: String,
     /// Innermost first.
@@ -126,14 +120,8 @@ pub struct ThreadRow {
     pub pid: i64,
     pub tid: i64,
     pub name: Option<String>,
-    /// Every allocator call, frees included.
-    pub calls: u64,
-    pub blocks: u64,
-    pub bytes: u64,
-    pub temporary: u64,
-    pub leaked_blocks: u64,
-    pub leaked_bytes: u64,
-    pub peak_bytes: u64,
+    #[serde(flatten)]
+    pub totals: ThreadStats,
 }
 
 /// What the allocations charged to one module add up to (see
@@ -142,26 +130,9 @@ pub struct ThreadRow {
 pub struct ModuleRow {
     pub module: String,
     pub path: Option<String>,
-    /// Calls to the allocating functions.
-    pub calls: u64,
-    pub blocks: u64,
-    pub bytes: u64,
-    pub temporary: u64,
-    pub leaked_blocks: u64,
-    pub leaked_bytes: u64,
-    pub peak_bytes: u64,
-}
-
-impl ModuleRow {
-    fn add(&mut self, s: &StackStats) {
-        self.calls += s.calls;
-        self.blocks += s.blocks;
-        self.bytes += s.bytes;
-        self.temporary += s.temporary;
-        self.leaked_blocks += s.leaked_blocks;
-        self.leaked_bytes += s.leaked_bytes;
-        self.peak_bytes += s.peak_bytes;
-    }
+    /// Its stacks' totals added up.
+    #[serde(flatten)]
+    pub totals: StackStats,
 }
 
 /// A (merged) stack's row, with its frames and owner.
@@ -169,14 +140,7 @@ pub fn stack_row(table: &StackTable, stacks: &[Option<i64>], s: &StackStats) -> 
     let stack = stacks.first().copied().flatten();
     StackRow {
         stack_ids: stacks.iter().flatten().copied().collect(),
-        calls: s.calls,
-        blocks: s.blocks,
-        bytes: s.bytes,
-        temporary: s.temporary,
-        leaked_blocks: s.leaked_blocks,
-        leaked_bytes: s.leaked_bytes,
-        peak_blocks: s.peak_blocks,
-        peak_bytes: s.peak_bytes,
+        totals: *s,
         module: table.owner_name(&table.owner(stack)),
         frames: table.locations(stack),
     }
@@ -282,18 +246,12 @@ fn threads(trace: &Trace, analysis: &Analysis) -> Result<Vec<ThreadRow>, ReportE
             pid: r.get(1).map_err(err)?,
             tid: r.get(2).map_err(err)?,
             name: r.get(3).map_err(err)?,
-            calls: s.calls,
-            blocks: s.blocks,
-            bytes: s.bytes,
-            temporary: s.temporary,
-            leaked_blocks: s.leaked_blocks,
-            leaked_bytes: s.leaked_bytes,
-            peak_bytes: s.peak_bytes,
+            totals: s,
         });
     }
     out.sort_by(|a, b| {
-        (b.bytes, b.calls)
-            .cmp(&(a.bytes, a.calls))
+        (b.totals.bytes, b.totals.calls)
+            .cmp(&(a.totals.bytes, a.totals.calls))
             .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
     });
     Ok(out)
@@ -309,12 +267,15 @@ fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {
             path: table.owner_path(&owner),
             ..ModuleRow::default()
         });
-        row.add(s);
+        row.totals.add(*s);
     }
-    let mut rows: Vec<ModuleRow> = by_name.into_values().filter(|m| m.calls > 0).collect();
+    let mut rows: Vec<ModuleRow> = by_name
+        .into_values()
+        .filter(|m| m.totals.calls > 0)
+        .collect();
     rows.sort_by(|a, b| {
-        (b.bytes, b.calls)
-            .cmp(&(a.bytes, a.calls))
+        (b.totals.bytes, b.totals.calls)
+            .cmp(&(a.totals.bytes, a.totals.calls))
             .then(a.module.cmp(&b.module))
     });
     rows

@@ -320,11 +320,11 @@ fn summary_text_and_json() {
     assert_eq!(s.top.leaked[0].stack_ids, [16]);
     assert_eq!(s.top.leaked[0].module, "libc.so.6");
     assert_eq!(s.top.calls[0].stack_ids, [11]);
-    assert_eq!(s.top.temporary[0].temporary, 3);
+    assert_eq!(s.top.temporary[0].totals.temporary, 3);
     let modules: Vec<(&str, u64)> = s
         .modules
         .iter()
-        .map(|m| (m.module.as_str(), m.bytes))
+        .map(|m| (m.module.as_str(), m.totals.bytes))
         .collect();
     assert_eq!(modules, [("libc.so.6", 4096), ("app", 3334)]);
     let threads: Vec<(i64, Option<&str>)> = s
@@ -506,12 +506,15 @@ fn stacks_that_read_the_same_are_one_row() {
     let table = StackTable::load(&trace).unwrap();
     let s = Summary::build(&trace, &a, &table, 10).unwrap();
     assert_eq!(s.top.calls[0].stack_ids, [11, 20]);
-    assert_eq!((s.top.calls[0].calls, s.top.calls[0].bytes), (4, 240));
+    assert_eq!(
+        (s.top.calls[0].totals.calls, s.top.calls[0].totals.bytes),
+        (4, 240)
+    );
     let leaked: Vec<(Vec<i64>, u64)> = s
         .top
         .leaked
         .iter()
-        .map(|r| (r.stack_ids.clone(), r.leaked_bytes))
+        .map(|r| (r.stack_ids.clone(), r.totals.leaked_bytes))
         .collect();
     assert_eq!(
         leaked,

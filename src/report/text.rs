@@ -341,8 +341,8 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         |s| {
             format!(
                 "{} in {}",
-                style.value(&bytes(s.leaked_bytes)),
-                counted(s.leaked_blocks, "block")
+                style.value(&bytes(s.totals.leaked_bytes)),
+                counted(s.totals.leaked_blocks, "block")
             )
         },
         &mut out,
@@ -355,8 +355,8 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         |s| {
             format!(
                 "{} in {}",
-                style.value(&bytes(s.peak_bytes)),
-                counted(s.peak_blocks, "block")
+                style.value(&bytes(s.totals.peak_bytes)),
+                counted(s.totals.peak_blocks, "block")
             )
         },
         &mut out,
@@ -369,8 +369,8 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         |s| {
             format!(
                 "{}, {}",
-                style.value(&counted(s.calls, "call")),
-                bytes(s.bytes)
+                style.value(&counted(s.totals.calls, "call")),
+                bytes(s.totals.bytes)
             )
         },
         &mut out,
@@ -383,8 +383,8 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         |s| {
             format!(
                 "{} temporary of {}",
-                style.value(&count(s.temporary)),
-                counted(s.blocks, "block")
+                style.value(&count(s.totals.temporary)),
+                counted(s.totals.blocks, "block")
             )
         },
         &mut out,
@@ -403,11 +403,11 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         let name = th.name.as_deref().unwrap_or("");
         table.row(vec![
             format!("{} {name}", th.tid),
-            count(th.calls),
-            bytes(th.bytes),
-            bytes(th.peak_bytes),
-            bytes(th.leaked_bytes),
-            count(th.temporary),
+            count(th.totals.calls),
+            bytes(th.totals.bytes),
+            bytes(th.totals.peak_bytes),
+            bytes(th.totals.leaked_bytes),
+            count(th.totals.temporary),
         ]);
     }
     table.render(style, &mut out);
@@ -429,11 +429,11 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     for m in summary.modules.iter().take(top) {
         table.row(vec![
             m.module.clone(),
-            count(m.calls),
-            bytes(m.bytes),
-            bytes(m.peak_bytes),
-            bytes(m.leaked_bytes),
-            count(m.temporary),
+            count(m.totals.calls),
+            bytes(m.totals.bytes),
+            bytes(m.totals.peak_bytes),
+            bytes(m.totals.leaked_bytes),
+            count(m.totals.temporary),
         ]);
     }
     table.render(style, &mut out);
