@@ -193,6 +193,9 @@ fn draw_on<DB: DrawingBackend>(
         _ => 1.0..2.0,
     };
     let y_top = buckets.iter().map(|b| b.1).max().unwrap_or(1) as f64 * 2.0;
+    // The bars stand on half a decade below 1, so a size with one block
+    // shows as a bar, not as a line on the axis.
+    let floor = 0.3;
     let zero = analysis.sizes[0];
     let caption = if zero > 0 {
         format!(
@@ -210,7 +213,7 @@ fn draw_on<DB: DrawingBackend>(
         .margin_right(36)
         .x_label_area_size(36)
         .y_label_area_size(64)
-        .build_cartesian_2d(x_range.log_scale().base(2.0), (0.8f64..y_top).log_scale())
+        .build_cartesian_2d(x_range.log_scale().base(2.0), (floor..y_top).log_scale())
         .map_err(e)?;
     chart
         .configure_mesh()
@@ -225,7 +228,7 @@ fn draw_on<DB: DrawingBackend>(
     chart
         .draw_series(buckets.iter().map(|&(i, n)| {
             Rectangle::new(
-                [(lo(i), 0.8), (lo(i + 1), n as f64)],
+                [(lo(i), floor), (lo(i + 1), n as f64)],
                 blue.mix(0.7).filled(),
             )
         }))
