@@ -295,6 +295,7 @@ impl Recording {
             ("housekeeping_frees", result.housekeeping_frees.to_string()),
             ("nested_calls", stats.nested_calls.to_string()),
             ("lost_returns", stats.lost_returns.to_string()),
+            ("copy_faults", stats.copy_faults.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {

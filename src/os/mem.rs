@@ -182,6 +182,83 @@ impl CodeWriter {
     }
 }
 
+/// Memory shared with the target: a `MAP_SHARED` anonymous mapping of the
+/// target's, mapped here too through /proc/PID/map_files (which needs
+/// CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE). The target writes, memptrace
+/// reads, with no system call on either side.
+pub struct SharedMapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; reads go through
+// `read_u64_acquire` and `copy_out`, which tolerate concurrent writers.
+unsafe impl Send for SharedMapping {}
+
+impl SharedMapping {
+    /// Map the target's shared mapping at `start..end` of process `pid`.
+    pub fn open(pid: Tid, start: u64, end: u64) -> io::Result<SharedMapping> {
+        let file = OpenOptions::new()
+            .read(true)
+            .open(format!("/proc/{pid}/map_files/{start:x}-{end:x}"))?;
+        let len = (end - start) as usize;
+        // SAFETY: a new read-only shared mapping of an open file, placed by
+        // the kernel; it is unmapped in Drop and never handed out as a slice.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(SharedMapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    /// The word at `offset`, read after every write the target made before
+    /// it stored that word (x86 stores are seen in order).
+    pub fn read_u64_acquire(&self, offset: usize) -> u64 {
+        assert!(offset % 8 == 0 && offset + 8 <= self.len);
+        // SAFETY: in bounds and aligned (checked above); AtomicU64 has the
+        // layout of u64 and the target writes the word with one store.
+        let word = unsafe { &*(self.ptr.add(offset) as *const std::sync::atomic::AtomicU64) };
+        word.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Append `len` bytes at `offset` to `out`.
+    pub fn copy_out(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        assert!(offset + len <= self.len);
+        out.reserve(len);
+        // SAFETY: in bounds (checked above); the bytes are plain data that
+        // the target is not writing now (its copy is complete).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(offset),
+                out.as_mut_ptr().add(out.len()),
+                len,
+            );
+            out.set_len(out.len() + len);
+        }
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, of `len` bytes, no longer used.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -88,7 +88,7 @@ impl Tracer {
             .find(runs)
             .or_else(|| resume.keys().next().copied())
             .ok_or(TraceError::NoSuchProcess(pid))?;
-        let space = Space::new(pid)?;
+        let space = Space::new(pid, self.copies_wanted())?;
         if let Some(process) = self.processes.get_mut(&pid) {
             process.space = Some(space);
         }

@@ -15,6 +15,7 @@
 //! bookkeeping runs after the thread is resumed.
 
 use super::callsite::{self, CallTarget};
+use super::copies::{CopyInto, PendingCopy};
 use super::ledger::CallFacts;
 use super::space::BreakpointKind;
 use super::{PendingCall, Role, TraceError, Tracer};
@@ -123,6 +124,11 @@ impl Tracer {
         // A release of a block the ledger does not know may be allocator
         // housekeeping, which the pipeline tells from the program's calls by
         // the whole stack: such a call always gets one.
+        if let [op] = ops {
+            if let Some(copy) = self.ask_copy(tid, pid, &regs) {
+                return self.on_entry_copying(tid, pid, regs, slot, module_id, *op, copy);
+            }
+        }
         let unknown_release = regs.rdi != 0
             && ops.iter().any(|op| op.takes_block())
             && !self.ledger.is_live(pid as u32, regs.rdi);
@@ -149,6 +155,87 @@ impl Tracer {
             });
         }
         self.redirect(tid, regs, slot.stub, Vec::new())
+    }
+
+    /// A stack copy for the thread to make itself (see [`super::copies`]):
+    /// with framehop stacks on every call, when its space has a buffer free.
+    /// Returns the copy and where the routine is.
+    fn ask_copy(&mut self, tid: Tid, pid: Tid, regs: &Regs) -> Option<(PendingCopy, u64, u64)> {
+        if !self.opts.stacks || self.opts.stack_every > 1 || self.libunwind.contains_key(&pid) {
+            return None;
+        }
+        let sp = regs.rsp;
+        let top = self.stack_top(tid, pid, sp);
+        let len = top.saturating_sub(sp).min(STACK_COPY) & !7;
+        if len == 0 {
+            return None;
+        }
+        let buffers = self.space_of_mut(tid)?.buffers.as_mut()?;
+        let issued = buffers.issue(tid)?;
+        let copy = PendingCopy {
+            buffer: issued.buffer,
+            seq: issued.seq,
+            len: len as usize,
+            sp,
+            into: CopyInto::Call,
+        };
+        Some((copy, issued.data, buffers.routine))
+    }
+
+    /// An entry whose thread copies its own stack: the thread goes through
+    /// the copy routine (r11: its buffer, r10: words to copy, rax: where to
+    /// go on), so the stop is GETREGS, SETREGS, CONT and nothing else.
+    #[allow(clippy::too_many_arguments)]
+    fn on_entry_copying(
+        &mut self,
+        tid: Tid,
+        pid: Tid,
+        mut regs: Regs,
+        slot: Slot,
+        module_id: u64,
+        op: Op,
+        (mut copy, data, routine): (PendingCopy, u64, u64),
+    ) -> Result<(), TraceError> {
+        let args = [regs.rdi, regs.rsi, regs.rdx];
+        let entry_sp = regs.rsp;
+        let stack = Self::awaited_sample(regs.rsp, regs.rbp);
+        let go_on = if op == Op::Free {
+            slot.resume_at
+        } else {
+            slot.stub
+        };
+        regs.r11 = data;
+        regs.r10 = copy.len as u64 / 8;
+        regs.rax = go_on;
+        regs.rip = routine;
+        if ptrace::set_regs(tid, &regs).is_err() {
+            return Ok(()); // gone
+        }
+        self.resume(tid, 0)?;
+        if op == Op::Free {
+            // Recorded now, in order; its stack follows (see `copies`).
+            let at = self.batch.len();
+            copy.into = CopyInto::Batch(at);
+            let facts = self.facts(pid, tid, args, 0, 0);
+            self.complete(op, &facts, stack, module_id);
+            self.awaiting.insert(at, tid);
+            if let Some(thread) = self.threads.get_mut(&tid) {
+                thread.copy = Some(copy);
+            }
+            return Ok(());
+        }
+        if let Some(thread) = self.threads.get_mut(&tid) {
+            thread.in_call = Some(PendingCall {
+                op,
+                args,
+                entry_sp,
+                stub: slot.stub,
+                stack,
+                module_id,
+            });
+            thread.copy = Some(copy);
+        }
+        Ok(())
     }
 
     /// The return int3 of a call stub: the call's result is in rax, and the

@@ -67,6 +67,7 @@ impl Tracer {
                         in_call: None,
                         stack: None,
                         start_ns: self.now_ns(),
+                        copy: None,
                     },
                 );
                 self.resume(tid, 0)

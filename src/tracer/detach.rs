@@ -87,6 +87,16 @@ impl Tracer {
                 Stop::Signal(libc::SIGTRAP) if self.settle_trap(tid)? => {
                     waiting.remove(&tid);
                 }
+                Stop::Signal(libc::SIGSEGV | libc::SIGBUS) if self.copy_faulted(tid) => {
+                    // The copy routine's own fault: the copy is read now, the
+                    // thread leaves the routine with the others, and the
+                    // program never sees the signal.
+                    self.settle_copy(tid, true);
+                    if let Some(b) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
+                        b.resync_thread(tid);
+                    }
+                    waiting.remove(&tid);
+                }
                 Stop::Signal(sig) => {
                     deliver.insert(tid, sig);
                     waiting.remove(&tid);
@@ -127,6 +137,8 @@ impl Tracer {
     /// threads standing in a trampoline slot (moved to the same place in the
     /// original code), the int3 bytes, and last the trampoline pages.
     fn restore_and_release(&mut self, mut deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+        // Every thread is stopped: copies not made yet are read now.
+        self.settle_all(true);
         // Spaces whose pages must stay: a thread is somewhere in them that
         // cannot be mapped back to the original code, or will return there.
         let mut keep_pages: HashSet<Tid> = HashSet::new();
@@ -145,6 +157,7 @@ impl Tracer {
             let owner = space.pid;
             let in_stub = ptrace::get_regs(tid).map_or(true, |regs| {
                 trampoline::in_stub(regs.rip, stub) != InStub::No
+                    || space.in_copy(regs.rip).is_some()
             });
             if in_stub {
                 continue; // moved out below, with every thread
@@ -258,13 +271,23 @@ impl Tracer {
             .is_some_and(|s| s.is_return(at) || s.breakpoints.contains_key(&at))
     }
 
-    fn space_of(&self, tid: Tid) -> Option<&super::space::Space> {
+    pub(super) fn space_of(&self, tid: Tid) -> Option<&super::space::Space> {
+        let owner = self.owner_of(tid)?;
+        self.processes.get(&owner)?.space.as_ref()
+    }
+
+    pub(super) fn space_of_mut(&mut self, tid: Tid) -> Option<&mut super::space::Space> {
+        let owner = self.owner_of(tid)?;
+        self.processes.get_mut(&owner)?.space.as_mut()
+    }
+
+    /// The process whose address space the thread runs in.
+    fn owner_of(&self, tid: Tid) -> Option<Tid> {
         let pid = self.threads.get(&tid)?.pid;
-        let owner = match self.processes.get(&pid)?.role {
+        Some(match self.processes.get(&pid)?.role {
             Role::Shares { parent } => parent,
             _ => pid,
-        };
-        self.processes.get(&owner)?.space.as_ref()
+        })
     }
 
     /// A thread reported the SIGTRAP of one of our int3s while detaching:
@@ -282,6 +305,7 @@ impl Tracer {
             // A call came back through its stub: record it; the thread goes on
             // past the int3 to the caller.
             let pid = self.threads[&tid].pid;
+            self.settle_copy(tid, true);
             if let Some(call) = self.returning_call(tid, regs.rsp) {
                 let stored = super::calls::stored_block(pid, &call, regs.rax);
                 self.record_return(pid, tid, call, regs.rax, stored);

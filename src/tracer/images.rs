@@ -21,6 +21,7 @@ impl Tracer {
             .map(|(t, _)| *t)
             .collect();
         for t in gone {
+            self.settle_copy(t, false);
             self.threads.remove(&t);
         }
         // A new address space: libunwind starts afresh.
@@ -48,7 +49,7 @@ impl Tracer {
             }
             _ => {}
         }
-        let space = Space::new(pid)?;
+        let space = Space::new(pid, self.copies_wanted())?;
         let process = self.processes.entry(pid).or_insert(Process {
             role: Role::Traced,
             space: None,

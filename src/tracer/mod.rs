@@ -15,6 +15,7 @@ mod attach;
 mod calls;
 mod callsite;
 mod children;
+mod copies;
 mod detach;
 mod images;
 mod inject;
@@ -22,7 +23,7 @@ mod ledger;
 mod space;
 mod trampoline;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
 use std::sync::Arc;
@@ -82,6 +83,9 @@ pub struct TraceStats {
     /// Calls whose return never came back through memptrace (longjmp out of the
     /// allocator, or in flight at detach).
     pub lost_returns: u64,
+    /// Stack copies by the thread itself that ran into unmapped memory (read
+    /// by memptrace instead; the program never saw the fault).
+    pub copy_faults: u64,
     /// Images found, and the allocator functions hooked in them.
     pub images: u64,
     pub hooked_functions: u64,
@@ -148,6 +152,8 @@ struct Thread {
     /// The memory mapping that holds this thread's stack.
     stack: Option<Range<u64>>,
     start_ns: u64,
+    /// A stack copy the thread was sent to make, not taken yet.
+    copy: Option<copies::PendingCopy>,
 }
 
 /// A child announced by a clone/fork/vfork event, before its first stop.
@@ -176,6 +182,8 @@ pub struct Tracer {
     batch: Vec<TraceMsg>,
     /// Bytes of stack copies in `batch`.
     batch_bytes: usize,
+    /// Calls in `batch` (by index) waiting for the copy their thread makes.
+    awaiting: BTreeMap<usize, Tid>,
     processes: HashMap<Tid, Process>,
     threads: HashMap<Tid, Thread>,
     /// First stops of threads whose creation event has not been seen yet.
@@ -237,6 +245,7 @@ impl Tracer {
             pipeline,
             batch: Vec::with_capacity(BATCH),
             batch_bytes: 0,
+            awaiting: BTreeMap::new(),
             processes: HashMap::new(),
             threads: HashMap::new(),
             early: HashMap::new(),
@@ -264,6 +273,7 @@ impl Tracer {
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
         let ending = self.wait_loop();
+        self.settle_all(false);
         let flushed = self.flush();
         let ending = ending?;
         flushed?;
@@ -339,8 +349,19 @@ impl Tracer {
         ticked
     }
 
+    /// Hand the batch to the pipeline, up to the first call still waiting for
+    /// its thread's stack copy (see [`copies`]).
     fn flush(&mut self) -> Result<(), TraceError> {
-        let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        if !self.awaiting.is_empty() {
+            self.settle_finished();
+        }
+        let n = self.sendable();
+        if n == 0 && !self.batch.is_empty() {
+            return Ok(());
+        }
+        let rest = self.batch.split_off(n);
+        let batch = std::mem::replace(&mut self.batch, rest);
+        self.shift_awaiting(n);
         self.batch_bytes = 0;
         self.pipeline.send(batch)?;
         Ok(())
@@ -363,6 +384,7 @@ impl Tracer {
                 in_call: None,
                 stack: None,
                 start_ns,
+                copy: None,
             },
         );
         self.send_thread(tid, None);
@@ -392,12 +414,18 @@ impl Tracer {
     }
 
     fn dispatch(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        if !self.threads.contains_key(&tid) {
+        let Some(thread) = self.threads.get(&tid) else {
             return self.unknown(tid, stop);
+        };
+        if thread.copy.is_some() {
+            self.settle_at_stop(tid, &stop);
         }
         match stop {
             Stop::Exited(_) | Stop::Killed { .. } => self.thread_gone(tid, stop),
             Stop::Signal(libc::SIGTRAP) => self.trap(tid),
+            Stop::Signal(libc::SIGSEGV | libc::SIGBUS) if self.copy_faulted(tid) => {
+                self.recover_copy(tid)
+            }
             Stop::Signal(sig) => self.resume(tid, sig),
             Stop::Event(event) => self.ptrace_event(tid, event),
             Stop::EventStop(sig) if is_stopping_signal(sig) => {
@@ -459,6 +487,10 @@ impl Tracer {
     }
 
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        self.settle_copy(tid, false);
+        if let Some(b) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
+            b.release(tid);
+        }
         let Some(thread) = self.threads.remove(&tid) else {
             return Ok(());
         };
@@ -472,6 +504,15 @@ impl Tracer {
             return Ok(());
         }
         // The leader's exit is reported last: the whole process is gone.
+        let others: Vec<Tid> = self
+            .threads
+            .iter()
+            .filter(|(_, t)| t.pid == tid)
+            .map(|(&t, _)| t)
+            .collect();
+        for t in others {
+            self.settle_copy(t, false);
+        }
         let process = self.processes.remove(&tid);
         self.threads.retain(|_, t| t.pid != tid);
         self.libunwind.remove(&tid);

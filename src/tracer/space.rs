@@ -12,10 +12,12 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::inject;
-use super::trampoline::{self, AREA_SIZE, DISPLACED, InStub, RETURN_INT3, SLOT_SIZE};
+use super::trampoline::{
+    self, AREA_SIZE, COPY_HEADER, COPY_ROUTINE, DISPLACED, InCopy, InStub, RETURN_INT3, SLOT_SIZE,
+};
 use crate::addr::{LoadBias, Svma};
 use crate::event::Op;
-use crate::os::mem::CodeWriter;
+use crate::os::mem::{CodeWriter, SharedMapping};
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::{Regs, Tid};
 use crate::sink::ModuleRecord;
@@ -128,10 +130,109 @@ pub struct Space {
     /// Mapped images by start address.
     pub modules: BTreeMap<u64, LoadedModule>,
     exe: Option<String>,
+    /// Where threads copy their own stacks (see [`StackBuffers`]), once set up.
+    pub buffers: Option<StackBuffers>,
+    /// The target's range of the buffers' shared mapping, to unmap at detach
+    /// (a forked child has one too, inherited, that it does not use).
+    shared: Option<Range<u64>>,
+    /// Setting the buffers up was tried (it is tried once per space).
+    buffers_tried: bool,
+}
+
+/// Stack buffers: a mapping shared between the target and memptrace, one
+/// buffer per thread, and the copy routine (`trampoline::COPY_ROUTINE`) in a
+/// trampoline slot. At an allocator entry the tracer sends the thread through
+/// the routine instead of copying its stack with a system call while it is
+/// stopped: the thread copies its own stack, and memptrace reads the copy
+/// from the shared mapping once the thread has counted it done, or, if the
+/// thread stops before that, with process_vm_readv then.
+pub struct StackBuffers {
+    map: SharedMapping,
+    /// Start of the mapping in the target.
+    remote: u64,
+    /// Address of the copy routine in the target.
+    pub routine: u64,
+    by_thread: HashMap<Tid, usize>,
+    free: Vec<usize>,
+    /// Copies asked of each buffer so far.
+    issued: Vec<u64>,
+}
+
+/// Buffers per space: threads beyond this many at once copy the old way.
+const BUFFERS: usize = 64;
+/// Bytes per buffer: the counter's header, then up to a full stack copy.
+const BUFFER_STRIDE: u64 = COPY_HEADER + crate::tracer::calls::STACK_COPY;
+
+/// A copy asked of a thread: its buffer, and the count that says it is done.
+#[derive(Clone, Copy, Debug)]
+pub struct Issued {
+    pub buffer: usize,
+    /// Address of the buffer's data in the target (the routine's r11).
+    pub data: u64,
+    pub seq: u64,
+}
+
+impl StackBuffers {
+    /// A copy for thread `tid`: its buffer (one is taken for it on its first
+    /// call), `None` when all are taken.
+    pub fn issue(&mut self, tid: Tid) -> Option<Issued> {
+        let buffer = match self.by_thread.get(&tid) {
+            Some(&b) => b,
+            None => {
+                let b = self.free.pop()?;
+                self.by_thread.insert(tid, b);
+                // Its last thread may have left a copy unmade (killed, or
+                // gone before the routine ran).
+                self.resync(b);
+                b
+            }
+        };
+        self.issued[buffer] += 1;
+        Some(Issued {
+            buffer,
+            data: self.remote + buffer as u64 * BUFFER_STRIDE + COPY_HEADER,
+            seq: self.issued[buffer],
+        })
+    }
+
+    /// Count the copies asked of `buffer` as those its thread made: after a
+    /// copy that will never be made (the routine faulted and the thread was
+    /// sent past it), so that "done" keeps meaning done.
+    pub fn resync(&mut self, buffer: usize) {
+        self.issued[buffer] = self.map.read_u64_acquire(buffer * BUFFER_STRIDE as usize);
+    }
+
+    /// [`StackBuffers::resync`] the buffer of thread `tid`.
+    pub fn resync_thread(&mut self, tid: Tid) {
+        if let Some(&b) = self.by_thread.get(&tid) {
+            self.resync(b);
+        }
+    }
+
+    /// True when the thread has made copy `seq` of `buffer`.
+    pub fn done(&self, buffer: usize, seq: u64) -> bool {
+        let counted = self.map.read_u64_acquire(buffer * BUFFER_STRIDE as usize);
+        counted.wrapping_sub(seq) as i64 >= 0
+    }
+
+    /// Append the first `len` bytes of `buffer` to `out`.
+    pub fn copy_out(&self, buffer: usize, len: usize, out: &mut Vec<u8>) {
+        let at = buffer * BUFFER_STRIDE as usize + COPY_HEADER as usize;
+        self.map.copy_out(at, len, out);
+    }
+
+    /// A thread is gone: its buffer serves the next one.
+    pub fn release(&mut self, tid: Tid) {
+        if let Some(b) = self.by_thread.remove(&tid) {
+            self.free.push(b);
+        }
+    }
 }
 
 impl Space {
-    pub fn new(pid: Tid) -> io::Result<Space> {
+    /// The space of process `pid`; `buffers`: set up stack buffers (only
+    /// framehop stacks on every call use them).
+    pub fn new(pid: Tid, buffers: bool) -> io::Result<Space> {
         Ok(Space {
             pid,
             mem: CodeWriter::open(pid)?,
@@ -139,6 +240,9 @@ impl Space {
             areas: Vec::new(),
             modules: BTreeMap::new(),
             exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
+            buffers: None,
+            shared: None,
+            buffers_tried: !buffers,
         })
     }
 
@@ -186,6 +290,12 @@ impl Space {
             areas: self.areas.clone(),
             modules,
             exe: self.exe.clone(),
+            // The child's copy of the shared mapping is still shared with
+            // the parent: it copies stacks the old way, and the mapping goes
+            // with the trampoline pages.
+            buffers: None,
+            shared: self.shared.clone(),
+            buffers_tried: true,
         })
     }
 
@@ -255,7 +365,56 @@ impl Space {
             }
             changes.added.push(module);
         }
+        if !self.buffers_tried && !self.areas.is_empty() {
+            self.buffers_tried = true;
+            if let Err(err) = self.set_up_buffers(tid, &mut changes.signals) {
+                // The stop path copies stacks with process_vm_readv instead.
+                changes
+                    .warnings
+                    .push(format!("stacks copied the slower way: {err}"));
+            }
+        }
         Ok(changes)
+    }
+
+    /// Map the stack buffers in the target (an injected mmap), here too
+    /// (/proc/PID/map_files), and write the copy routine into a free slot.
+    fn set_up_buffers(&mut self, tid: Tid, signals: &mut Vec<i32>) -> Result<(), SpaceError> {
+        let Some(area) = self
+            .areas
+            .iter_mut()
+            .find(|a| a.next + SLOT_SIZE <= a.start + AREA_SIZE)
+        else {
+            return Err(SpaceError::NoRoom("no free trampoline slot".into()));
+        };
+        let routine = area.next;
+        area.next += SLOT_SIZE;
+        let insn = self
+            .syscall_insn()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+        let len = BUFFERS as u64 * BUFFER_STRIDE;
+        let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+        let flags = (libc::MAP_SHARED | libc::MAP_ANONYMOUS) as u64;
+        let done = inject::syscall(
+            tid,
+            insn,
+            libc::SYS_mmap as u64,
+            [0, len, prot, flags, u64::MAX, 0],
+        )?;
+        signals.extend(done.signals);
+        let remote = done.value;
+        self.shared = Some(remote..remote + len);
+        let map = SharedMapping::open(self.pid, remote, remote + len)?;
+        self.mem.write(routine, &COPY_ROUTINE)?;
+        self.buffers = Some(StackBuffers {
+            map,
+            remote,
+            routine,
+            by_thread: HashMap::new(),
+            free: (0..BUFFERS).rev().collect(),
+            issued: vec![0; BUFFERS],
+        });
+        Ok(())
     }
 
     fn hook(
@@ -382,6 +541,18 @@ impl Space {
         if !self.in_area(regs.rip) {
             return Some(false);
         }
+        // In the copy routine: on to where it would have jumped (the copy is
+        // not needed any more), then out of that slot as below.
+        match self.in_copy(regs.rip) {
+            Some(InCopy::Rax) => regs.rip = regs.rax,
+            Some(InCopy::Stack) => {
+                let mut word = [0u8; 8];
+                self.mem.read(regs.rsp, &mut word).ok()?;
+                regs.rip = u64::from_le_bytes(word);
+                regs.rsp += 8;
+            }
+            None => {}
+        }
         for bp in self.breakpoints.values() {
             if let Some(rip) = bp.slot.original_rip(regs.rip, bp.resume_at, bp.addr) {
                 regs.rip = rip;
@@ -433,6 +604,11 @@ impl Space {
         None
     }
 
+    /// Where a thread at `rip` stands in the copy routine, if it is there.
+    pub fn in_copy(&self, rip: u64) -> Option<InCopy> {
+        trampoline::in_copy(rip, self.buffers.as_ref()?.routine)
+    }
+
     fn in_area(&self, addr: u64) -> bool {
         self.areas
             .iter()
@@ -446,6 +622,8 @@ impl Space {
     pub fn unmap_areas(&mut self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
         let signals = self.unmap_areas_in(tid)?;
         self.areas.clear();
+        self.buffers = None;
+        self.shared = None;
         Ok(signals)
     }
 
@@ -462,6 +640,15 @@ impl Space {
                 insn,
                 libc::SYS_munmap as u64,
                 [area.start, AREA_SIZE, 0, 0, 0, 0],
+            )?;
+            signals.extend(done.signals);
+        }
+        if let Some(shared) = &self.shared {
+            let done = inject::syscall(
+                tid,
+                insn,
+                libc::SYS_munmap as u64,
+                [shared.start, shared.end - shared.start, 0, 0, 0, 0],
             )?;
             signals.extend(done.signals);
         }

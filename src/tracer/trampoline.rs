@@ -41,6 +41,45 @@ const STUB: [u8; 17] = [
     0x48, 0x8d, 0x64, 0x24, 0x08, // lea rsp, [rsp+8]
     0xc3, // ret: to the allocator's caller
 ];
+/// The copy routine: a thread sent here at an allocator's entry copies
+/// `r10` words of its stack, from rsp up, to `r11` (its buffer in memory
+/// shared with memptrace), counts the copy done in the word 64 bytes before
+/// `r11`, and jumps to `rax` (the breakpoint's stub or displaced
+/// instruction). rax, r10 and r11 hold nothing at a function's entry (System
+/// V ABI: scratch registers, no arguments in them), so the function sees
+/// nothing changed; the routine writes only below rsp, which is free until
+/// the function runs, and to its buffer.
+pub const COPY_ROUTINE: [u8; 22] = [
+    0x50, // push rax (the continuation)
+    0x4a, 0x8b, 0x04, 0xd4, // 1: mov rax, [rsp + r10*8]
+    0x4b, 0x89, 0x44, 0xd3, 0xf8, // mov [r11 + r10*8 - 8], rax
+    0x49, 0xff, 0xca, // dec r10
+    0x75, 0xf2, // jnz 1
+    0x49, 0xff, 0x43, 0xc0, // 15: inc qword [r11 - 64]
+    0x58, // 19: pop rax
+    0xff, 0xe0, // 20: jmp rax
+];
+/// Bytes before a copy buffer's data: the word the routine counts copies in.
+pub const COPY_HEADER: u64 = 64;
+
+/// Where the continuation of a thread stopped at `rip` in the copy routine at
+/// `routine` is: in rax (before the push, after the pop), on the stack, or
+/// `None` outside the routine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InCopy {
+    Rax,
+    Stack,
+}
+
+/// See [`InCopy`].
+pub fn in_copy(rip: u64, routine: u64) -> Option<InCopy> {
+    match rip.wrapping_sub(routine) {
+        0 | 20 => Some(InCopy::Rax),
+        1..=19 => Some(InCopy::Stack),
+        _ => None,
+    }
+}
+
 /// How far a rel32 operand reaches, with a margin for the image's own size.
 const REACH: u64 = (1 << 31) - (64 << 20);
 
@@ -232,6 +271,59 @@ pub fn place_area(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_routine_is_what_it_says() {
+        use iced_x86::Register::{R10, R11, RAX, RSP};
+        let decoder = Decoder::with_ip(64, &COPY_ROUTINE, 0x1000, DecoderOptions::NONE);
+        let insns: Vec<Instruction> = decoder.into_iter().collect();
+        let codes: Vec<(u64, Code)> = insns.iter().map(|i| (i.ip() - 0x1000, i.code())).collect();
+        assert_eq!(
+            codes,
+            [
+                (0, Code::Push_r64),
+                (1, Code::Mov_r64_rm64),
+                (5, Code::Mov_rm64_r64),
+                (10, Code::Dec_rm64),
+                (13, Code::Jne_rel8_64),
+                (15, Code::Inc_rm64),
+                (19, Code::Pop_r64),
+                (20, Code::Jmp_rm64),
+            ]
+        );
+        let mem = |i: &Instruction| {
+            (
+                i.memory_base(),
+                i.memory_index(),
+                i.memory_index_scale(),
+                i.memory_displacement64() as i64,
+            )
+        };
+        assert_eq!(insns[0].op0_register(), RAX);
+        assert_eq!(
+            (insns[1].op0_register(), mem(&insns[1])),
+            (RAX, (RSP, R10, 8, 0))
+        );
+        assert_eq!(
+            (insns[2].op1_register(), mem(&insns[2])),
+            (RAX, (R11, R10, 8, -8))
+        );
+        assert_eq!(insns[3].op0_register(), R10);
+        assert_eq!(insns[4].near_branch_target(), 0x1001);
+        assert_eq!(
+            mem(&insns[5]),
+            (R11, iced_x86::Register::None, 1, -(COPY_HEADER as i64))
+        );
+        assert_eq!(
+            (insns[6].op0_register(), insns[7].op0_register()),
+            (RAX, RAX)
+        );
+        assert_eq!(in_copy(0x1000, 0x1000), Some(InCopy::Rax));
+        assert_eq!(in_copy(0x1001, 0x1000), Some(InCopy::Stack));
+        assert_eq!(in_copy(0x1013, 0x1000), Some(InCopy::Stack));
+        assert_eq!(in_copy(0x1014, 0x1000), Some(InCopy::Rax));
+        assert_eq!(in_copy(0x1016, 0x1000), None);
+    }
     use iced_x86::Mnemonic;
 
     fn decode_all(bytes: &[u8], ip: u64) -> Vec<Instruction> {

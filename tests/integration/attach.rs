@@ -7,13 +7,17 @@ use crate::support::{
     Background, Variant, memptrace, open_trace, proc_status, run, scratch, tracee, truth_of,
 };
 
-/// Anonymous executable mappings other than the vDSO: memptrace's
-/// trampoline pages, if any were left behind.
+/// Anonymous executable mappings other than the vDSO, and shared anonymous
+/// ones: memptrace's trampoline pages and stack buffers, if any were left
+/// behind (the victim maps neither).
 fn trampoline_pages(pid: i32) -> Vec<String> {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap()
         .lines()
-        .filter(|l| l.contains(" r-xp 00000000 00:00 0") && !l.contains('['))
+        .filter(|l| {
+            (l.contains(" r-xp 00000000 00:00 0") && !l.contains('['))
+                || (l.contains(" rw-s ") && l.contains("/dev/zero"))
+        })
         .map(str::to_string)
         .collect()
 }
