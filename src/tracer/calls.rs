@@ -1,15 +1,19 @@
 //! Breakpoint stops: an allocator entry, a redirected return, the dynamic
 //! linker's hook.
 //!
-//! At an entry the tracer reads the registers once (PTRACE_GETREGS), copies
-//! the stack with one process_vm_readv, points the thread at the breakpoint's
-//! slot (PTRACE_SETREGS) and resumes it (PTRACE_CONT): at the displaced
-//! instruction for `free`, which returns nothing worth a stop, and at the
-//! slot's call stub for every call that returns a block, so that the call
-//! returns to the stub's int3 (see `trampoline::slot_code`). At that return
-//! stop the tracer reads rax and resumes the thread where it is: the stub
-//! returns to the caller itself. So an entry costs four system calls, a
-//! return two, and nothing is written to the target's stack. Only a thread's
+//! At an entry the tracer reads the registers once (PTRACE_GETREGS), points
+//! the thread at the breakpoint's slot (PTRACE_SETREGS) and resumes it
+//! (PTRACE_CONT): at the displaced instruction for `free`, which returns
+//! nothing worth a stop, and at the slot's call stub for every call that
+//! returns a block, so that the call returns to the stub's int3 (see
+//! `trampoline::slot_code`). With framehop stacks the thread first passes
+//! through the copy routine, which copies its stack into memory shared with
+//! memptrace (see [`super::copies`]); otherwise the stack, or the return
+//! address, is read with one process_vm_readv while the thread is stopped.
+//! At the return stop the tracer reads rax and resumes the thread where it
+//! is: the stub returns to the caller itself. So an entry costs three system
+//! calls (four without the routine), a return two, and nothing is written to
+//! the target's stack. Only a thread's
 //! outermost allocator call is recorded: an entry below a pending call of the
 //! same thread (realloc(NULL, n) entering malloc) just passes through. The
 //! bookkeeping runs after the thread is resumed.
@@ -124,14 +128,14 @@ impl Tracer {
         // A release of a block the ledger does not know may be allocator
         // housekeeping, which the pipeline tells from the program's calls by
         // the whole stack: such a call always gets one.
-        if let [op] = ops {
-            if let Some(copy) = self.ask_copy(tid, pid, &regs) {
-                return self.on_entry_copying(tid, pid, regs, slot, module_id, *op, copy);
-            }
-        }
         let unknown_release = regs.rdi != 0
             && ops.iter().any(|op| op.takes_block())
             && !self.ledger.is_live(pid as u32, regs.rdi);
+        if let [op] = ops {
+            if let Some(copy) = self.ask_copy(tid, pid, &regs, unknown_release) {
+                return self.on_entry_copying(tid, pid, regs, slot, module_id, *op, copy);
+            }
+        }
         let (ret_addr, stack) = self.capture(tid, pid, &regs, unknown_release);
         let op = match ops {
             [op] => *op,
@@ -157,16 +161,28 @@ impl Tracer {
         self.redirect(tid, regs, slot.stub, Vec::new())
     }
 
-    /// A stack copy for the thread to make itself (see [`super::copies`]):
-    /// with framehop stacks on every call, when its space has a buffer free.
-    /// Returns the copy and where the routine is.
-    fn ask_copy(&mut self, tid: Tid, pid: Tid, regs: &Regs) -> Option<(PendingCopy, u64, u64)> {
-        if !self.opts.stacks || self.opts.stack_every > 1 || self.libunwind.contains_key(&pid) {
+    /// A stack copy for the thread to make itself (see [`super::copies`]),
+    /// when its space has a buffer free: the whole stack for framehop, just
+    /// the return address with `--no-stacks`. `always`: the call gets its
+    /// stack even when `--stack-every` would skip it. Returns the copy and
+    /// where the routine is.
+    fn ask_copy(
+        &mut self,
+        tid: Tid,
+        pid: Tid,
+        regs: &Regs,
+        always: bool,
+    ) -> Option<(PendingCopy, u64, u64)> {
+        if self.libunwind.contains_key(&pid) {
             return None;
         }
         let sp = regs.rsp;
-        let top = self.stack_top(tid, pid, sp);
-        let len = top.saturating_sub(sp).min(STACK_COPY) & !7;
+        let len = if self.opts.stacks {
+            let top = self.stack_top(tid, pid, sp);
+            top.saturating_sub(sp).min(STACK_COPY) & !7
+        } else {
+            8
+        };
         if len == 0 {
             return None;
         }
@@ -177,6 +193,8 @@ impl Tracer {
             seq: issued.seq,
             len: len as usize,
             sp,
+            pid,
+            always,
             into: CopyInto::Call,
         };
         Some((copy, issued.data, buffers.routine))
@@ -324,10 +342,7 @@ impl Tracer {
         if self.opts.stack_every > 1 {
             // The call site is the return address: one word read first.
             let ret = mem::read_u64(pid, sp).unwrap_or(0);
-            let seen = self.sites.entry((pid, ret)).or_insert(0);
-            let sampled = *seen % self.opts.stack_every == 0;
-            *seen += 1;
-            if !sampled && !always {
+            if !self.sampled(pid, ret) && !always {
                 return (ret, CallStack::CallerOnly(ret));
             }
         }
@@ -358,6 +373,18 @@ impl Tracer {
         };
         let ret = sample.read_u64(sp).unwrap_or(0);
         (ret, CallStack::Sample(StackSample { ip: ret, ..sample }))
+    }
+
+    /// Whether this call of the call site `ret` gets its stack under
+    /// `--stack-every N`: every Nth call of each site, the first included.
+    pub(super) fn sampled(&mut self, pid: Tid, ret: u64) -> bool {
+        if self.opts.stack_every <= 1 {
+            return true;
+        }
+        let seen = self.sites.entry((pid, ret)).or_insert(0);
+        let sampled = *seen % self.opts.stack_every == 0;
+        *seen += 1;
+        sampled
     }
 
     /// The end of the mapping holding a thread's stack, learnt once per thread

@@ -33,6 +33,9 @@ pub(super) struct PendingCopy {
     pub len: usize,
     /// The thread's stack pointer at the entry: where the copy starts.
     pub sp: u64,
+    pub pid: Tid,
+    /// The call gets its whole stack even with `--stack-every`.
+    pub always: bool,
     pub into: CopyInto,
 }
 
@@ -45,12 +48,10 @@ pub(super) enum CopyInto {
 }
 
 impl Tracer {
-    /// Whether threads copy their own stacks in this trace: with framehop
-    /// stacks on every call.
+    /// Whether threads copy their own stacks in this trace: with framehop,
+    /// and with `--no-stacks` (the return address alone).
     pub(super) fn copies_wanted(&self) -> bool {
-        self.opts.stacks
-            && self.opts.stack_every <= 1
-            && self.opts.unwinder == crate::unwind::UnwinderKind::Framehop
+        !self.opts.stacks || self.opts.unwinder == crate::unwind::UnwinderKind::Framehop
     }
 
     /// At a stop of `tid`: take its pending copy, if it has one. The
@@ -85,7 +86,7 @@ impl Tracer {
             }
             _ => {}
         }
-        self.fill(tid, copy.into, bytes);
+        self.fill(tid, copy.into, bytes, Some(copy));
     }
 
     /// Calls of the batch waiting for copies that are now done: fill them.
@@ -104,7 +105,7 @@ impl Tracer {
                         self.settle_copy(tid, false);
                     }
                 }
-                _ => self.fill(tid, CopyInto::Batch(at), Vec::new()),
+                _ => self.fill(tid, CopyInto::Batch(at), Vec::new(), None),
             }
         }
     }
@@ -159,9 +160,19 @@ impl Tracer {
         self.resume(tid, 0)
     }
 
-    /// Give a call its stack copy.
-    fn fill(&mut self, tid: Tid, into: CopyInto, bytes: Vec<u8>) {
-        self.batch_bytes += bytes.len();
+    /// Give a call its stack copy. With `--no-stacks`, and for a call
+    /// `--stack-every` skips, only the return address is kept.
+    fn fill(&mut self, tid: Tid, into: CopyInto, bytes: Vec<u8>, copy: Option<PendingCopy>) {
+        let ret = bytes
+            .get(..8)
+            .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        let caller_only = match copy {
+            Some(c) => !self.opts.stacks || (!c.always && !self.sampled(c.pid, ret)),
+            None => false,
+        };
+        if !caller_only {
+            self.batch_bytes += bytes.len();
+        }
         let stack = match into {
             CopyInto::Call => self
                 .threads
@@ -176,9 +187,13 @@ impl Tracer {
                 }
             }
         };
-        if let Some(CallStack::Sample(sample)) = stack {
-            sample.bytes = bytes;
-            sample.ip = sample.read_u64(sample.base).unwrap_or(0);
+        match stack {
+            Some(stack) if caller_only => *stack = CallStack::CallerOnly(ret),
+            Some(CallStack::Sample(sample)) => {
+                sample.bytes = bytes;
+                sample.ip = ret;
+            }
+            _ => {}
         }
     }
 

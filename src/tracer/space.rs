@@ -369,9 +369,9 @@ impl Space {
             self.buffers_tried = true;
             if let Err(err) = self.set_up_buffers(tid, &mut changes.signals) {
                 // The stop path copies stacks with process_vm_readv instead.
-                changes
-                    .warnings
-                    .push(format!("stacks copied the slower way: {err}"));
+                changes.warnings.push(format!(
+                    "stacks are read with process_vm_readv, which costs more per call: {err}"
+                ));
             }
         }
         Ok(changes)
@@ -404,7 +404,12 @@ impl Space {
         signals.extend(done.signals);
         let remote = done.value;
         self.shared = Some(remote..remote + len);
-        let map = SharedMapping::open(self.pid, remote, remote + len)?;
+        let map = SharedMapping::open(self.pid, remote, remote + len).map_err(|err| {
+            io::Error::new(
+                err.kind(),
+                format!("cannot map the target's stack buffers (/proc/PID/map_files needs CAP_SYS_ADMIN): {err}"),
+            )
+        })?;
         self.mem.write(routine, &COPY_ROUTINE)?;
         self.buffers = Some(StackBuffers {
             map,
