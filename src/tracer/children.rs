@@ -11,7 +11,7 @@
 use super::space::Space;
 use super::{Child, Process, Role, Thread, TraceError, Tracer, detach};
 use crate::os::procfs;
-use crate::os::ptrace::{self, Tid};
+use crate::os::ptrace::{self, Stop, Tid};
 
 impl Tracer {
     /// A clone/fork/vfork event: learn what the child is. Its first stop may
@@ -34,7 +34,7 @@ impl Tracer {
             _ => Child::Shared { parent: pid },
         };
         match (self.early.remove(&child), stopped) {
-            (Some(_), false) => self.adopt(child, kind),
+            (Some(first), false) => self.adopt(child, kind, first),
             (Some(_), true) => self.adopt_stopped(child, kind),
             (None, _) => {
                 self.announced.insert(child, kind);
@@ -44,11 +44,13 @@ impl Tracer {
     }
 
     /// The first stop of an announced child.
-    pub(super) fn adopt(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
+    pub(super) fn adopt(&mut self, tid: Tid, child: Child, first: Stop) -> Result<(), TraceError> {
         match child {
             Child::Thread { pid } => {
                 self.add_thread(tid, pid);
-                self.resume(tid, 0)
+                // A thread born while its process stops (SIGSTOP, SIGTSTP)
+                // starts in that group-stop: it stays stopped with the rest.
+                self.resume_from(tid, first)
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
             Child::Fork { parent } => self.release_fork(tid, parent),

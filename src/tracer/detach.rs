@@ -343,7 +343,7 @@ impl Tracer {
                 self.add_thread(tid, tid);
                 Ok(())
             }
-            fork => self.adopt(tid, fork),
+            fork => self.adopt(tid, fork, Stop::EventStop(libc::SIGTRAP)),
         }
     }
 }

@@ -428,14 +428,7 @@ impl Tracer {
             }
             Stop::Signal(sig) => self.resume(tid, sig),
             Stop::Event(event) => self.ptrace_event(tid, event),
-            Stop::EventStop(sig) if is_stopping_signal(sig) => {
-                // Group-stop: stay stopped, but let us hear SIGCONT.
-                match ptrace::listen(tid) {
-                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                    other => Ok(other?),
-                }
-            }
-            Stop::EventStop(_) | Stop::Syscall => self.resume(tid, 0),
+            Stop::EventStop(_) | Stop::Syscall => self.resume_from(tid, stop),
         }
     }
 
@@ -448,7 +441,7 @@ impl Tracer {
             return Ok(());
         }
         match self.announced.remove(&tid) {
-            Some(child) => self.adopt(tid, child),
+            Some(child) => self.adopt(tid, child, stop),
             None => {
                 self.early.insert(tid, stop);
                 Ok(())
@@ -473,6 +466,19 @@ impl Tracer {
                 }
                 self.resume(tid, 0)
             }
+            _ => self.resume(tid, 0),
+        }
+    }
+
+    /// Resume a thread from a PTRACE_EVENT_STOP (or a syscall stop). A
+    /// group-stop (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU) is not ended: the
+    /// thread stays stopped, listening for SIGCONT, as it would untraced.
+    fn resume_from(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        match stop {
+            Stop::EventStop(sig) if is_stopping_signal(sig) => match ptrace::listen(tid) {
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+                other => Ok(other?),
+            },
             _ => self.resume(tid, 0),
         }
     }

@@ -129,9 +129,21 @@ fn launch_victim(args: &[&str], label: &str) -> (Background, i32, std::path::Pat
 fn job_control_while_traced() {
     let (tracer, pid, db) = launch_victim(&["4"], "jobs");
     crate::support::signal(pid, libc::SIGSTOP);
-    wait_until("the victim is stopped", || {
-        proc_status(pid, "State").is_some_and(|s| s.starts_with('T') || s.starts_with('t'))
-    });
+    // Every thread, not just the leader: the others stop a moment later.
+    let all_stopped = || {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        tasks.flatten().all(|task| {
+            std::fs::read_to_string(task.path().join("status"))
+                .ok()
+                .and_then(|text| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix("State:"))
+                        .map(|v| v.trim().starts_with(['T', 't']))
+                })
+                .unwrap_or(true) // gone meanwhile
+        })
+    };
+    wait_until("every thread of the victim is stopped", all_stopped);
     // It stays stopped: its CPU time does not move.
     let cpu = || {
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
