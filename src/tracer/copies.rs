@@ -151,6 +151,10 @@ impl Tracer {
             None => return Ok(()),
         }
         self.stats.copy_faults += 1;
+        if let Some(thread) = self.threads.get_mut(&tid) {
+            // Its stack mapping is read again at its next call.
+            thread.stack = None;
+        }
         if let Some(buffers) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
             buffers.resync_thread(tid);
         }

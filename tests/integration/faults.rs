@@ -273,3 +273,21 @@ fn sigkill_to_memptrace() {
         .unwrap();
     assert!(leaks > 0, "the views work on an unfinished trace");
 }
+
+/// A thread's stack mapping shrinks under it (the upper half of a merged
+/// mapping unmapped while the thread runs): the stack copy the thread makes
+/// runs into unmapped memory. memptrace reads that copy itself, the program
+/// never sees the fault, and every call keeps its stack.
+#[test]
+fn a_stack_mapping_that_shrinks() {
+    for variant in [Variant::Dynamic, Variant::Static, Variant::Musl] {
+        let t = trace(variant, "shrink", &[], &[]);
+        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
+        t.assert_truth();
+        let faults: i64 = t.meta("copy_faults").unwrap().parse().unwrap();
+        assert!(
+            (1..=2).contains(&faults),
+            "{variant:?}: {faults} faults of the copy routine"
+        );
+    }
+}

@@ -33,9 +33,9 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 11] = [
+const TRACEES: [&str; 12] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
-    "ticker",
+    "shrink", "ticker",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
