@@ -18,7 +18,6 @@
 //!   the stop of a detach) is read with process_vm_readv right then; one that
 //!   is gone gets no stack.
 
-use super::trampoline::InCopy;
 use super::{TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
@@ -141,27 +140,28 @@ impl Tracer {
         let Ok(mut regs) = ptrace::get_regs(tid) else {
             return Ok(());
         };
-        let pid = self.threads[&tid].pid;
-        match self.space_of(tid).and_then(|s| s.in_copy(regs.rip)) {
-            Some(InCopy::Rax) => regs.rip = regs.rax,
-            Some(InCopy::Stack) => {
-                regs.rip = mem::read_u64(pid, regs.rsp)?;
-                regs.rsp += 8;
-            }
-            None => return Ok(()),
+        let left = self.space_of(tid).and_then(|s| s.leave_copy(&mut regs));
+        if left != Some(true) {
+            return Ok(());
         }
+        self.note_copy_fault(tid);
+        if ptrace::set_regs(tid, &regs).is_err() {
+            return Ok(());
+        }
+        self.resume(tid, 0)
+    }
+
+    /// A copy the thread will never finish (its routine faulted): counted,
+    /// its buffer's count set to what it made, its stack mapping read
+    /// again at its next call.
+    pub(super) fn note_copy_fault(&mut self, tid: Tid) {
         self.stats.copy_faults += 1;
         if let Some(thread) = self.threads.get_mut(&tid) {
-            // Its stack mapping is read again at its next call.
             thread.stack = None;
         }
         if let Some(buffers) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
             buffers.resync_thread(tid);
         }
-        if ptrace::set_regs(tid, &regs).is_err() {
-            return Ok(());
-        }
-        self.resume(tid, 0)
     }
 
     /// Give a call its stack copy. With `--no-stacks`, and for a call

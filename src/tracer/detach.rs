@@ -88,13 +88,10 @@ impl Tracer {
                     waiting.remove(&tid);
                 }
                 Stop::Signal(libc::SIGSEGV | libc::SIGBUS) if self.copy_faulted(tid) => {
-                    // The copy routine's own fault: the copy is read now, the
-                    // thread leaves the routine with the others, and the
-                    // program never sees the signal.
-                    self.settle_copy(tid, true);
-                    if let Some(b) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
-                        b.resync_thread(tid);
-                    }
+                    // The copy routine's own fault: the copy is read with the
+                    // others, the thread leaves the routine with the others,
+                    // and the program never sees the signal.
+                    self.note_copy_fault(tid);
                     waiting.remove(&tid);
                 }
                 Stop::Signal(sig) => {

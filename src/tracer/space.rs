@@ -548,16 +548,7 @@ impl Space {
         }
         // In the copy routine: on to where it would have jumped (the copy is
         // not needed any more), then out of that slot as below.
-        match self.in_copy(regs.rip) {
-            Some(InCopy::Rax) => regs.rip = regs.rax,
-            Some(InCopy::Stack) => {
-                let mut word = [0u8; 8];
-                self.mem.read(regs.rsp, &mut word).ok()?;
-                regs.rip = u64::from_le_bytes(word);
-                regs.rsp += 8;
-            }
-            None => {}
-        }
+        self.leave_copy(regs)?;
         for bp in self.breakpoints.values() {
             if let Some(rip) = bp.slot.original_rip(regs.rip, bp.resume_at, bp.addr) {
                 regs.rip = rip;
@@ -607,6 +598,24 @@ impl Space {
             }
         }
         None
+    }
+
+    /// Move a thread stopped with `regs` in the copy routine to where the
+    /// routine would have jumped, as if its copy were done: `Some(true)`
+    /// when it was there, `Some(false)` when not, `None` when its
+    /// continuation cannot be read.
+    pub fn leave_copy(&self, regs: &mut Regs) -> Option<bool> {
+        match self.in_copy(regs.rip) {
+            Some(InCopy::Rax) => regs.rip = regs.rax,
+            Some(InCopy::Stack) => {
+                let mut word = [0u8; 8];
+                self.mem.read(regs.rsp, &mut word).ok()?;
+                regs.rip = u64::from_le_bytes(word);
+                regs.rsp += 8;
+            }
+            None => return Some(false),
+        }
+        Some(true)
     }
 
     /// Where a thread at `rip` stands in the copy routine, if it is there.

@@ -59,18 +59,22 @@ fn max_depth_limits_stacks() {
     assert_eq!(t.stack_functions(stacks[0]), ["deep_recurse"; 5]);
 }
 
+/// The `stack_text` of one stack.
+fn stack_text(t: &crate::support::Trace, stack: i64) -> String {
+    t.db.query_row(
+        "SELECT text FROM stack_text WHERE stack_id = ?1",
+        [stack],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
 /// stack_text names every frame, innermost first, with file and line.
 #[test]
 fn stack_text_reads_like_a_backtrace() {
     let t = trace(Variant::Dynamic, "deep", &[], &[]);
     let stack = t.stacks_from("deep_inner", "malloc")[0];
-    let text: String =
-        t.db.query_row(
-            "SELECT text FROM stack_text WHERE stack_id = ?1",
-            [stack],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let text = stack_text(&t, stack);
     let lines: Vec<&str> = text.lines().collect();
     assert!(
         lines[0].starts_with("deep_inner (") && lines[0].contains("deep.c:"),
@@ -82,13 +86,7 @@ fn stack_text_reads_like_a_backtrace() {
     // A call made in inlined code: the frame is the function whose machine
     // code it is; stack_text shows the inlined function above it.
     let stack = t.stacks_from("deep_inlined_caller", "malloc")[0];
-    let text: String =
-        t.db.query_row(
-            "SELECT text FROM stack_text WHERE stack_id = ?1",
-            [stack],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let text = stack_text(&t, stack);
     let lines: Vec<&str> = text.lines().collect();
     assert!(
         lines[0].starts_with("deep_wrap (") && lines[0].contains("deep.c:"),
