@@ -6,10 +6,11 @@
 //! (PTRACE_CONT): at the displaced instruction for `free`, which returns
 //! nothing worth a stop, and at the slot's call stub for every call that
 //! returns a block, so that the call returns to the stub's int3 (see
-//! `trampoline::slot_code`). With framehop stacks the thread first passes
-//! through the copy routine, which copies its stack into memory shared with
-//! memptrace (see [`super::copies`]); otherwise the stack, or the return
-//! address, is read with one process_vm_readv while the thread is stopped.
+//! `trampoline::slot_code`). When its space has stack buffers (framehop or
+//! `--no-stacks`, see [`super::copies`]) the thread first passes through the
+//! copy routine, which copies its stack, or its return address, into memory
+//! shared with memptrace; otherwise that is read with one process_vm_readv
+//! while the thread is stopped.
 //! At the return stop the tracer reads rax and resumes the thread where it
 //! is: the stub returns to the caller itself. So an entry costs three system
 //! calls (four without the routine), a return two, and nothing is written to
