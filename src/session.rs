@@ -18,11 +18,13 @@ use crate::program;
 use crate::progress::ProgressLine;
 use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
-use crate::symbols::elf::{ElfError, check_header};
 use crate::symbols::symbolize::Symbolizer;
 use crate::tracer::{Ending, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
+
+/// How often the tracer looks at its signals and flushes its records.
+const TICK: Duration = Duration::from_millis(100);
 
 /// Run a config; returns memptrace's exit status.
 pub fn run(config: Config) -> Result<i32, Error> {
@@ -118,26 +120,20 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
     }
+    // The same checks as a launch, before the process is touched: a static
+    // executable with nothing to hook is refused without stopping it.
     if let Some(exe) = procfs::exe(pid) {
-        let mut head = [0u8; 64];
-        let n = std::fs::File::open(&exe)
-            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
-            .unwrap_or(0);
-        match check_header(&head[..n]) {
-            Err(ElfError::Not64Bit) => return Err(Error::Not64Bit(exe)),
-            Err(err @ ElfError::WrongMachine(_)) => {
-                return Err(Error::WrongMachine {
-                    path: exe,
-                    reason: err.to_string(),
-                });
-            }
-            _ => {}
+        if let Ok(bytes) = std::fs::read(format!("/proc/{pid}/exe")) {
+            program::check_image(&exe, &bytes)?;
         }
     }
     let command = procfs::cmdline(pid).unwrap_or_default();
     let sink = start_output(&config, &command, "attach")?;
     signals::install()?;
     let recording = Recording::start(sink, pid)?;
+    // Ctrl-C, SIGTERM and the tick are live while attaching too: an attach
+    // that cannot finish gives up and lets the process go.
+    signals::unblock_here(TICK)?;
     let tracer = match Tracer::attach(
         options(&config, duration),
         recording.pipeline(&config),
@@ -147,6 +143,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     ) {
         Ok(tracer) => tracer,
         Err(err) => {
+            signals::quiesce();
             recording.abandon(&config.output);
             return Err(attach_error(err));
         }
@@ -181,6 +178,7 @@ fn attach_error(err: TraceError) -> Error {
             tracer: None,
         } => Error::AttachDenied { pid, source },
         TraceError::NoAllocator(pid) => Error::NoAllocatorInProcess(pid),
+        TraceError::AttachAbandoned { pid, reason } => Error::AttachAbandoned { pid, reason },
         other => Error::Trace(other),
     }
 }
@@ -261,7 +259,7 @@ impl Recording {
     /// signals live meanwhile.
     fn trace(&self, tracer: Tracer) -> Result<(Ending, TraceStats, PipelineHandle), Error> {
         let line = ProgressLine::start(self.progress.clone());
-        signals::unblock_here(Duration::from_millis(100))?;
+        signals::unblock_here(TICK)?;
         let traced = tracer.run();
         signals::quiesce();
         line.finish();

@@ -38,9 +38,14 @@ fn request(req: libc::c_uint, tid: Tid, addr: usize, data: usize) -> io::Result<
     check(unsafe { libc::ptrace(req, tid, addr, data) })
 }
 
-/// PTRACE_SEIZE with [`OPTIONS`]: attach without stopping the thread.
-pub fn seize(tid: Tid) -> io::Result<()> {
-    request(libc::PTRACE_SEIZE, tid, 0, OPTIONS as usize).map(drop)
+/// PTRACE_SEIZE with `options`: attach without stopping the thread.
+pub fn seize(tid: Tid, options: libc::c_int) -> io::Result<()> {
+    request(libc::PTRACE_SEIZE, tid, 0, options as usize).map(drop)
+}
+
+/// PTRACE_SETOPTIONS (the thread must be stopped).
+pub fn set_options(tid: Tid, options: libc::c_int) -> io::Result<()> {
+    request(libc::PTRACE_SETOPTIONS, tid, 0, options as usize).map(drop)
 }
 
 /// PTRACE_INTERRUPT: make a seized thread report a PTRACE_EVENT_STOP.

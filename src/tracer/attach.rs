@@ -68,9 +68,13 @@ impl Tracer {
         match tracer.hook_stopped(pid, &seized) {
             Ok(()) => Ok(tracer),
             Err(err) => {
-                // Let go of what was seized; nothing was planted (or what was
-                // is put back by the detach).
-                let _ = tracer.detach_all();
+                // Let go of what was seized: the threads that stopped are
+                // detached (what was planted is put back first); those that
+                // never stopped have no EXITKILL and are released by the
+                // kernel when memptrace exits.
+                if let Err(detach) = tracer.let_go_held() {
+                    eprintln!("memptrace: warning: letting process {pid} go: {detach}");
+                }
                 Err(err)
             }
         }
@@ -79,6 +83,14 @@ impl Tracer {
     /// Stop every seized thread, hook the images, resume them.
     fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
         let resume = self.stop_all(pid, seized)?;
+        // Every thread stands still: from now on, memptrace's death is the
+        // program's (int3 bytes without a tracer would kill it anyway).
+        for &tid in resume.keys() {
+            match ptrace::set_options(tid, ptrace::OPTIONS) {
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
+                other => other?,
+            }
+        }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
         let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_)));
@@ -105,6 +117,7 @@ impl Tracer {
                             let _ = ptrace::tgkill(pid, tid, sig);
                         }
                     }
+                    self.held.remove(&tid);
                     match ptrace::listen(tid) {
                         Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
                         other => other?,
@@ -115,6 +128,7 @@ impl Tracer {
                     if tid == worker {
                         signals.append(&mut arrived);
                     }
+                    self.held.remove(&tid);
                     self.resume_with(tid, signals)?;
                 }
             }
@@ -133,16 +147,33 @@ impl Tracer {
             }
         }
         let mut resume = HashMap::new();
+        let mut progress = Instant::now();
         while !waiting.is_empty() {
+            self.hold(&resume);
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(tid) => {
                     resume.insert(tid, Resume::Cont(0));
                     continue;
                 }
-                Stopping::Nothing => continue,
+                Stopping::Nothing => {
+                    let reason = self.stop_requested().or_else(|| {
+                        (progress.elapsed() >= super::PATIENCE).then(|| {
+                            format!(
+                                "threads {:?} did not stop within {} s",
+                                sorted(&waiting),
+                                super::PATIENCE.as_secs()
+                            )
+                        })
+                    });
+                    if let Some(reason) = reason {
+                        return Err(TraceError::AttachAbandoned { pid, reason });
+                    }
+                    continue;
+                }
                 Stopping::NoneLeft => break,
             };
+            progress = Instant::now();
             match stop {
                 Stop::Exited(_) | Stop::Killed { .. } => {
                     waiting.remove(&tid);
@@ -186,8 +217,27 @@ impl Tracer {
                 }
             }
         }
+        self.hold(&resume);
         Ok(resume)
     }
+
+    /// Remember the threads stopped so far, so that letting go of them on
+    /// an error does not wait for stops already seen.
+    fn hold(&mut self, resume: &HashMap<Tid, Resume>) {
+        for (&tid, how) in resume {
+            let sig = match how {
+                Resume::Cont(sig) => *sig,
+                Resume::Listen => 0,
+            };
+            self.held.insert(tid, sig);
+        }
+    }
+}
+
+fn sorted(tids: &HashSet<Tid>) -> Vec<Tid> {
+    let mut tids: Vec<Tid> = tids.iter().copied().collect();
+    tids.sort_unstable();
+    tids
 }
 
 /// Seize every thread of `pid`, again and again until no new one appears:
@@ -207,7 +257,10 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
                 continue;
             }
             new = true;
-            match ptrace::seize(tid) {
+            // Without EXITKILL until the thread has stopped: a thread that
+            // never stops for the attach (a frozen cgroup) must not be killed
+            // when memptrace gives up and exits. See `Tracer::hook_stopped`.
+            match ptrace::seize(tid, ptrace::OPTIONS & !libc::PTRACE_O_EXITKILL) {
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile.
                 Err(err) if err.raw_os_error() == Some(libc::ESRCH) && tid != pid => {}

@@ -12,6 +12,7 @@
 //! where no such place exists.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use super::trampoline::{self, InStub, RETURN_INT3};
 use super::{Role, TraceError, Tracer};
@@ -65,20 +66,68 @@ fn sigtrap_pending(pid: Tid, tid: Tid) -> bool {
 }
 
 impl Tracer {
+    /// Detach the threads an attach stopped, putting back whatever was
+    /// planted; the threads that did not stop are left alone.
+    pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
+        let held = std::mem::take(&mut self.held);
+        let deliver = held
+            .iter()
+            .filter(|(_, sig)| **sig != 0)
+            .map(|(&t, &s)| (t, s));
+        let deliver: HashMap<Tid, i32> = deliver.collect();
+        let stuck: HashSet<Tid> = self
+            .threads
+            .keys()
+            .filter(|t| !held.contains_key(t))
+            .copied()
+            .collect();
+        self.restore_and_release(deliver, &stuck)
+    }
+
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
         let mut waiting: HashSet<Tid> = HashSet::new();
+        let mut deliver: HashMap<Tid, i32> = HashMap::new();
+        // Threads already stopped (an attach that failed) report nothing
+        // more: waiting for them would never end.
+        let held = std::mem::take(&mut self.held);
         for &tid in self.threads.keys() {
-            if ptrace::interrupt(tid).is_ok() {
-                waiting.insert(tid);
+            match held.get(&tid) {
+                Some(&sig) => {
+                    if sig != 0 {
+                        deliver.insert(tid, sig);
+                    }
+                }
+                None => {
+                    if ptrace::interrupt(tid).is_ok() {
+                        waiting.insert(tid);
+                    }
+                }
             }
         }
-        let mut deliver: HashMap<Tid, i32> = HashMap::new();
+        let mut progress = Instant::now();
+        let mut stuck: HashSet<Tid> = HashSet::new();
         while !waiting.is_empty() || !self.announced.is_empty() {
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
-                Stopping::Adopted(_) | Stopping::Nothing => continue,
+                Stopping::Adopted(_) => continue,
+                Stopping::Nothing if progress.elapsed() < super::PATIENCE => continue,
+                Stopping::Nothing => {
+                    // Not one stop for a while: what has not stopped by now is
+                    // left running (traced until memptrace exits), and the
+                    // trampoline pages stay, since it may be in them.
+                    for &tid in &waiting {
+                        self.stats.warnings.push(format!(
+                            "thread {tid} did not stop within {} s to be detached",
+                            super::PATIENCE.as_secs()
+                        ));
+                    }
+                    stuck = std::mem::take(&mut waiting);
+                    self.announced.clear();
+                    break;
+                }
                 Stopping::NoneLeft => break,
             };
+            progress = Instant::now();
             match stop {
                 Stop::Exited(_) | Stop::Killed { .. } => {
                     waiting.remove(&tid);
@@ -127,18 +176,27 @@ impl Tracer {
                 }
             }
         }
-        self.restore_and_release(deliver)
+        self.restore_and_release(deliver, &stuck)
     }
 
     /// Put back what was changed, then detach every thread: return addresses,
     /// threads standing in a trampoline slot (moved to the same place in the
     /// original code), the int3 bytes, and last the trampoline pages.
-    fn restore_and_release(&mut self, mut deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+    fn restore_and_release(
+        &mut self,
+        mut deliver: HashMap<Tid, i32>,
+        stuck: &HashSet<Tid>,
+    ) -> Result<(), TraceError> {
         // Every thread is stopped: copies not made yet are read now.
         self.settle_all(true);
         // Spaces whose pages must stay: a thread is somewhere in them that
-        // cannot be mapped back to the original code, or will return there.
-        let mut keep_pages: HashSet<Tid> = HashSet::new();
+        // cannot be mapped back to the original code, or will return there,
+        // or did not stop.
+        let mut keep_pages: HashSet<Tid> =
+            stuck.iter().filter_map(|&tid| self.owner_of(tid)).collect();
+        for tid in stuck {
+            self.threads.remove(tid);
+        }
         let pending: Vec<(Tid, Tid, u64, u64)> = self
             .threads
             .iter_mut()

@@ -2,7 +2,7 @@
 //! linker's hook, hooked, announced to the unwinders and the pipeline, and
 //! forgotten when unmapped or replaced by an exec.
 
-use super::space::{Changes, LoadedModule, Space};
+use super::space::{BreakpointKind, Changes, LoadedModule, Space};
 use super::{Process, Role, TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::libunwind::LibunwindUnwinder;
@@ -68,7 +68,11 @@ impl Tracer {
             return Ok(Vec::new());
         };
         let changes = space.refresh(tid, &mut self.next_module_id)?;
-        let hooked = space.breakpoints.len() as u64;
+        let hooked = space
+            .breakpoints
+            .values()
+            .filter(|bp| matches!(bp.kind, BreakpointKind::Allocator { .. }))
+            .count() as u64;
         let Changes {
             added,
             removed,

@@ -111,7 +111,15 @@ pub enum TraceError {
     },
     #[error("no allocator function (malloc, free, ...) in any image of process {0}")]
     NoAllocator(Tid),
+    #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]
+    AttachAbandoned { pid: Tid, reason: String },
 }
+
+/// How long stopping every thread (to attach or detach) may go without a
+/// single thread reporting its stop before memptrace stops waiting: a thread
+/// that does not stop in that time (uninterruptible sleep, a frozen cgroup)
+/// is not waited for forever.
+const PATIENCE: Duration = Duration::from_secs(2);
 
 /// The role of a traced process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -203,6 +211,9 @@ pub struct Tracer {
     progress: Arc<Progress>,
     stats: TraceStats,
     last_tick: u32,
+    /// Threads memptrace stopped and has not resumed (while attaching), with
+    /// the signal each must get when let go (0 for none).
+    held: HashMap<Tid, i32>,
     /// memptrace attached to a running process (rather than launching it):
     /// the first Ctrl-C ends the trace, since it cannot reach the program.
     attached: bool,
@@ -260,6 +271,7 @@ impl Tracer {
             progress,
             stats: TraceStats::default(),
             last_tick: signals::ticks(),
+            held: HashMap::new(),
             attached: false,
             deadline,
         })
@@ -273,6 +285,11 @@ impl Tracer {
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
         let ending = self.wait_loop();
+        if ending.is_err() && !self.threads.is_empty() {
+            // Whatever went wrong, the program is not left with memptrace's
+            // bytes in it (nor killed by memptrace's exit): let it go.
+            let _ = self.detach_all();
+        }
         self.settle_all(false);
         let flushed = self.flush();
         let ending = ending?;
