@@ -20,6 +20,7 @@ pub mod addr;
 pub mod cli;
 pub mod error;
 pub mod event;
+pub mod memory;
 pub mod os;
 pub mod program;
 pub mod progress;

@@ -188,6 +188,15 @@ fn wait(pid: Tid, flags: i32) -> io::Result<Option<(Tid, Stop)>> {
     }
 }
 
+/// A request's result, with ESRCH taken as done: the thread vanished
+/// (killed, or exited meanwhile), which waitpid reports in its own time.
+pub fn unless_gone(result: io::Result<()>) -> io::Result<()> {
+    match result {
+        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+        other => other,
+    }
+}
+
 /// True when an error from a wait means "no traced thread is left".
 pub fn no_children(err: &io::Error) -> bool {
     err.raw_os_error() == Some(libc::ECHILD)

@@ -15,10 +15,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::detach::Stopping;
+use super::process::{Process, Role};
 use super::space::Space;
-use super::{Process, Progress, Role, TraceError, TraceOptions, Tracer, is_stopping_signal};
+use super::stop::Stopped;
+use super::{Progress, TraceError, TraceOptions, Tracer};
 use crate::os::procfs;
-use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::ptrace::{self, Tid};
 use crate::unwind::pipeline::PipelineHandle;
 
 /// How a thread stopped by the attach goes on.
@@ -52,15 +54,12 @@ impl Tracer {
             }
             Some(_) => {}
         }
-        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress)?;
-        tracer.attached = true;
-        tracer.processes.insert(
-            pid,
-            Process {
-                role: Role::Traced,
-                space: None,
-            },
-        );
+        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
+        tracer.control.attached = true;
+        tracer
+            .family
+            .processes
+            .insert(pid, Process::new(Role::Traced, None));
         let seized = seize_all(pid)?;
         for &tid in &seized {
             tracer.add_thread(tid, pid);
@@ -86,10 +85,7 @@ impl Tracer {
         // Every thread stands still: from now on, memptrace's death is the
         // program's (int3 bytes without a tracer would kill it anyway).
         for &tid in resume.keys() {
-            match ptrace::set_options(tid, ptrace::OPTIONS) {
-                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
-                other => other?,
-            }
+            ptrace::unless_gone(ptrace::set_options(tid, ptrace::OPTIONS))?;
         }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
@@ -101,7 +97,7 @@ impl Tracer {
             .or_else(|| resume.keys().next().copied())
             .ok_or(TraceError::NoSuchProcess(pid))?;
         let space = Space::new(pid, self.copies_wanted())?;
-        if let Some(process) = self.processes.get_mut(&pid) {
+        if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }
         // Signals the worker received while running injected calls.
@@ -117,18 +113,15 @@ impl Tracer {
                             let _ = ptrace::tgkill(pid, tid, sig);
                         }
                     }
-                    self.held.remove(&tid);
-                    match ptrace::listen(tid) {
-                        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
-                        other => other?,
-                    }
+                    self.control.held.remove(&tid);
+                    ptrace::unless_gone(ptrace::listen(tid))?;
                 }
                 Resume::Cont(sig) => {
                     let mut signals: Vec<i32> = (sig != 0).then_some(sig).into_iter().collect();
                     if tid == worker {
                         signals.append(&mut arrived);
                     }
-                    self.held.remove(&tid);
+                    self.control.held.remove(&tid);
                     self.resume_with(tid, signals)?;
                 }
             }
@@ -174,45 +167,37 @@ impl Tracer {
                 Stopping::NoneLeft => break,
             };
             progress = Instant::now();
-            match stop {
-                Stop::Exited(_) | Stop::Killed { .. } => {
-                    waiting.remove(&tid);
+            waiting.remove(&tid);
+            match Stopped::of(stop) {
+                Stopped::Gone => {
                     resume.remove(&tid);
                     self.thread_gone(tid, stop)?;
                     if tid == pid {
                         return Err(TraceError::NoSuchProcess(pid));
                     }
                 }
-                Stop::EventStop(sig) if is_stopping_signal(sig) => {
-                    waiting.remove(&tid);
+                Stopped::GroupStop(_) => {
                     resume.insert(tid, Resume::Listen);
                 }
-                Stop::Signal(sig) => {
+                Stopped::Trap => {
                     // The signal came first; the interrupt is still pending and
                     // is reported (and ignored) once the thread runs again.
-                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Cont(libc::SIGTRAP));
+                }
+                Stopped::Fault(sig) | Stopped::Signal(sig) => {
                     resume.insert(tid, Resume::Cont(sig));
                 }
-                Stop::Event(event) => {
-                    if matches!(
-                        event,
-                        libc::PTRACE_EVENT_CLONE
-                            | libc::PTRACE_EVENT_FORK
-                            | libc::PTRACE_EVENT_VFORK
-                    ) {
-                        let before: HashSet<Tid> = self.threads.keys().copied().collect();
-                        self.announce_child(tid, event, true)?;
-                        for new in self.threads.keys() {
-                            if !before.contains(new) {
-                                resume.insert(*new, Resume::Cont(0));
-                            }
+                Stopped::Birth(event) => {
+                    let before: HashSet<Tid> = self.family.threads.keys().copied().collect();
+                    self.announce_child(tid, event, true)?;
+                    for new in self.family.threads.keys() {
+                        if !before.contains(new) {
+                            resume.insert(*new, Resume::Cont(0));
                         }
                     }
-                    waiting.remove(&tid);
                     resume.insert(tid, Resume::Cont(0));
                 }
-                Stop::EventStop(_) | Stop::Syscall => {
-                    waiting.remove(&tid);
+                Stopped::Exec | Stopped::Exiting | Stopped::Interrupt => {
                     resume.insert(tid, Resume::Cont(0));
                 }
             }
@@ -229,7 +214,7 @@ impl Tracer {
                 Resume::Cont(sig) => *sig,
                 Resume::Listen => 0,
             };
-            self.held.insert(tid, sig);
+            self.control.held.insert(tid, sig);
         }
     }
 }

@@ -2,8 +2,10 @@
 //! linker's hook, hooked, announced to the unwinders and the pipeline, and
 //! forgotten when unmapped or replaced by an exec.
 
-use super::space::{BreakpointKind, Changes, LoadedModule, Space};
-use super::{Process, Role, TraceError, Tracer};
+use super::process::{Process, Role};
+use super::space::images::LoadedModule;
+use super::space::{Changes, Space};
+use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::TraceMsg;
@@ -11,51 +13,40 @@ use crate::unwind::{Unwinder, UnwinderKind};
 
 impl Tracer {
     pub(super) fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
-        let pid = self.threads[&tid].pid;
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
         // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
         // under ptrace"); the exec'ing thread now has the leader's tid.
-        let gone: Vec<Tid> = self
-            .threads
-            .iter()
-            .filter(|(t, th)| th.pid == pid && **t != tid)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in gone {
-            self.settle_copy(t, false);
-            self.threads.remove(&t);
+        for t in self.family.threads_of(pid) {
+            if t != tid {
+                self.settle_copy(t, false);
+                self.family.threads.remove(&t);
+            }
         }
-        // A new address space: libunwind starts afresh.
-        self.libunwind.remove(&pid);
-        if let Some(thread) = self.threads.get_mut(&tid) {
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.in_call = None;
             thread.stack = None;
         }
-        let role = self.processes.get(&pid).map(|p| p.role);
+        let role = self.family.processes.get(&pid).map(|p| p.role);
         match role {
             Some(Role::Shares { .. }) if !self.opts.follow_forks => {
                 // A vfork child now has its own, clean, address space.
-                self.processes.remove(&pid);
-                self.threads.remove(&tid);
-                return match ptrace::detach(tid, 0) {
-                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                    other => Ok(other?),
-                };
+                self.family.processes.remove(&pid);
+                self.family.threads.remove(&tid);
+                return Ok(ptrace::unless_gone(ptrace::detach(tid, 0))?);
             }
             Some(Role::Traced) => {
                 self.forget_images(pid);
                 self.ledger.forget_process(pid as u32);
-                self.aliases.retain(|(p, _), _| *p != pid);
-                self.sites.retain(|(p, _), _| *p != pid);
             }
             _ => {}
         }
+        // A new address space: what was known of the old one goes.
         let space = Space::new(pid, self.copies_wanted())?;
-        let process = self.processes.entry(pid).or_insert(Process {
-            role: Role::Traced,
-            space: None,
-        });
-        process.role = Role::Traced;
-        process.space = Some(space);
+        self.family
+            .processes
+            .entry(pid)
+            .or_insert_with(|| Process::new(Role::Traced, None))
+            .exec(space);
         self.send_thread(tid, None);
         let signals = self.refresh_images(pid, tid)?;
         self.resume_with(tid, signals)
@@ -64,15 +55,16 @@ impl Tracer {
     /// Re-read the process's images, hook new ones and tell the pipeline.
     /// Returns signals that arrived while system calls were injected.
     pub(super) fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+        let Some(space) = self
+            .family
+            .processes
+            .get_mut(&pid)
+            .and_then(|p| p.space.as_mut())
+        else {
             return Ok(Vec::new());
         };
         let changes = space.refresh(tid, &mut self.next_module_id)?;
-        let hooked = space
-            .breakpoints
-            .values()
-            .filter(|bp| matches!(bp.kind, BreakpointKind::Allocator { .. }))
-            .count() as u64;
+        let hooked = space.hooks.allocators() as u64;
         let Changes {
             added,
             removed,
@@ -87,7 +79,12 @@ impl Tracer {
                 range: module.range.clone(),
                 ts_ns: now,
             });
-            if let Some(lu) = self.libunwind.get_mut(&pid) {
+            let libunwind = self
+                .family
+                .processes
+                .get_mut(&pid)
+                .and_then(|p| p.libunwind.as_mut());
+            if let Some(lu) = libunwind {
                 lu.remove_image(module.range);
             }
         }
@@ -114,7 +111,12 @@ impl Tracer {
     }
 
     fn forget_images(&mut self, pid: Tid) {
-        let Some(space) = self.processes.get(&pid).and_then(|p| p.space.as_ref()) else {
+        let Some(space) = self
+            .family
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref())
+        else {
             return;
         };
         let now = self.now_ns();
@@ -128,7 +130,7 @@ impl Tracer {
                 ts_ns: now,
             })
             .collect();
-        self.batch.extend(gone);
+        self.out.extend(gone);
     }
 
     /// libunwind's state for process `pid`, made on first use; `None` when
@@ -138,11 +140,10 @@ impl Tracer {
         if !(self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind) {
             return None;
         }
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.libunwind.entry(pid) {
+        let process = self.family.processes.get_mut(&pid)?;
+        if process.libunwind.is_none() {
             match LibunwindUnwinder::new() {
-                Ok(lu) => {
-                    slot.insert(lu);
-                }
+                Ok(lu) => process.libunwind = Some(lu),
                 Err(err) => {
                     self.stats
                         .warnings
@@ -151,6 +152,6 @@ impl Tracer {
                 }
             }
         }
-        self.libunwind.get_mut(&pid)
+        process.libunwind.as_mut()
     }
 }
