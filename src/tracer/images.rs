@@ -49,7 +49,42 @@ impl Tracer {
             .exec(space);
         self.send_thread(tid, None);
         let signals = self.refresh_images(pid, tid)?;
+        // A static executable has all its code now: nothing to hook is
+        // nothing to record, and the user must hear of it. (A dynamic one
+        // is judged when it ends, its libraries loaded.)
+        let is_static = self
+            .family
+            .space_of(tid)
+            .and_then(|s| s.modules.values().find(|m| m.is_main))
+            .is_some_and(|m| m.image.interpreter.is_none());
+        if is_static {
+            self.warn_if_unhooked(pid);
+        }
         self.resume_with(tid, signals)
+    }
+
+    /// Warn, once per process, when a traced process has no allocator
+    /// function memptrace could hook: its calls are not recorded.
+    pub(super) fn warn_if_unhooked(&mut self, pid: Tid) {
+        let Some(process) = self.family.processes.get_mut(&pid) else {
+            return;
+        };
+        let Some(space) = process.space.as_ref() else {
+            return;
+        };
+        if process.role != Role::Traced || process.warned || space.hooks.allocators() > 0 {
+            return;
+        }
+        process.warned = true;
+        let program = space
+            .modules
+            .values()
+            .find(|m| m.is_main)
+            .map_or_else(|| format!("process {pid}"), |m| format!("process {pid} ({})", m.path));
+        self.stats.warnings.push(format!(
+            "{program}: no allocator function (malloc, free, ...) found to hook in any of its \
+             images; its calls are not recorded"
+        ));
     }
 
     /// Re-read the process's images, hook new ones and tell the pipeline.

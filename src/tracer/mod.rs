@@ -213,6 +213,10 @@ impl Tracer {
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
         let ending = self.wait_loop();
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.warn_if_unhooked(pid);
+        }
         if ending.is_err() && !self.family.threads.is_empty() {
             // Whatever went wrong, the program is not left with memptrace's
             // bytes in it (nor killed by memptrace's exit): let it go.
@@ -422,6 +426,7 @@ impl Tracer {
             return Ok(());
         }
         // The leader's exit is reported last: the whole process is gone.
+        self.warn_if_unhooked(tid);
         for t in self.family.threads_of(tid) {
             self.settle_copy(t, false);
             self.family.threads.remove(&t);

@@ -41,6 +41,8 @@ pub struct Process {
     pub aliases: HashMap<u64, Op>,
     /// Calls seen per call site (return address), for `--stack-every`.
     pub sites: HashMap<u64, u64>,
+    /// The user was told its program has nothing to hook.
+    pub warned: bool,
 }
 
 impl Process {
@@ -51,6 +53,7 @@ impl Process {
             libunwind: None,
             aliases: HashMap::new(),
             sites: HashMap::new(),
+            warned: false,
         }
     }
 
@@ -67,6 +70,7 @@ impl Process {
         self.libunwind = None;
         self.aliases.clear();
         self.sites.clear();
+        self.warned = false;
     }
 }
 
