@@ -5,6 +5,8 @@
 //! it can be tested without a live process. Functions here are thin: they do
 //! one kernel operation each and report errors as `io::Error` with the errno.
 
+#![allow(unsafe_code)]
+
 pub mod launch;
 pub mod libunwind;
 pub mod mem;

@@ -72,6 +72,12 @@ pub fn detach(tid: Tid, sig: i32) -> io::Result<()> {
     request(libc::PTRACE_DETACH, tid, 0, sig as usize).map(drop)
 }
 
+/// A register file of zeros (a valid value: plain integers).
+pub fn zeroed_regs() -> Regs {
+    // SAFETY: user_regs_struct is plain integers; zero is a valid value.
+    unsafe { std::mem::zeroed() }
+}
+
 pub fn get_regs(tid: Tid) -> io::Result<Regs> {
     let mut regs = std::mem::MaybeUninit::<Regs>::uninit();
     request(libc::PTRACE_GETREGS, tid, 0, regs.as_mut_ptr() as usize)?;

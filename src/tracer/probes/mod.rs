@@ -194,35 +194,10 @@ mod tests {
     use crate::memory::Snapshot;
 
     fn regs(rip: u64, rsp: u64) -> Regs {
-        Regs {
-            r15: 0,
-            r14: 0,
-            r13: 0,
-            r12: 0,
-            rbp: 0,
-            rbx: 0,
-            r11: 0,
-            r10: 0,
-            r9: 0,
-            r8: 0,
-            rax: 0,
-            rcx: 0,
-            rdx: 0,
-            rsi: 0,
-            rdi: 0,
-            orig_rax: 0,
-            rip,
-            cs: 0,
-            eflags: 0,
-            rsp,
-            ss: 0,
-            fs_base: 0,
-            gs_base: 0,
-            ds: 0,
-            es: 0,
-            fs: 0,
-            gs: 0,
-        }
+        let mut regs = crate::os::ptrace::zeroed_regs();
+        regs.rip = rip;
+        regs.rsp = rsp;
+        regs
     }
 
     fn hooks_with_one(addr: u64, slot: u64) -> Hooks {
