@@ -9,6 +9,7 @@
 
 pub mod launch;
 pub mod libunwind;
+pub mod local;
 pub mod mem;
 pub mod procfs;
 pub mod ptrace;

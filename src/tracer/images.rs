@@ -76,11 +76,10 @@ impl Tracer {
             return;
         }
         process.warned = true;
-        let program = space
-            .modules
-            .values()
-            .find(|m| m.is_main)
-            .map_or_else(|| format!("process {pid}"), |m| format!("process {pid} ({})", m.path));
+        let program = space.modules.values().find(|m| m.is_main).map_or_else(
+            || format!("process {pid}"),
+            |m| format!("process {pid} ({})", m.path),
+        );
         self.stats.warnings.push(format!(
             "{program}: no allocator function (malloc, free, ...) found to hook in any of its \
              images; its calls are not recorded"

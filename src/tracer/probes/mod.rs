@@ -15,6 +15,7 @@
 //! one of them back.
 
 pub mod int3;
+pub mod jump;
 
 use std::collections::HashMap;
 use std::io;

@@ -1,0 +1,16 @@
+//! The jump probe: calls recorded inside the target, into memory shared with
+//! memptrace, with no stop per call.
+//!
+//! [`plan`] decides how a function's entry is patched (a `jmp` to the
+//! probe, or an int3 where a jump is not safe), [`code`] writes the probe's
+//! machine code, and [`layout`] is the shared memory the probes and
+//! memptrace agree on.
+
+#![allow(dead_code)] // not yet wired into the tracer
+
+pub mod code;
+pub mod layout;
+pub mod plan;
+
+#[cfg(test)]
+mod tests;
