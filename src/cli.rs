@@ -12,6 +12,7 @@ use crate::report::{
     Color, ExportOptions, FlamegraphOptions, Format, Metric, PlotOptions, ReportOptions,
     WindowOptions,
 };
+use crate::tracer::ProbeMode;
 use crate::unwind::UnwinderKind;
 
 #[derive(Debug, Parser)]
@@ -281,6 +282,19 @@ pub struct TraceArgs {
     /// are released unharmed).
     #[arg(short = 'f', long)]
     pub follow_forks: bool,
+
+    /// How calls are caught: recorded inside the program with no stop
+    /// (jump), or with a ptrace stop each (int3, the reference).
+    #[arg(long, value_enum, env = "MEMPTRACE_PROBES", default_value_t = ProbesArg::Jump)]
+    pub probes: ProbesArg,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProbesArg {
+    /// A jump to code that records the call in the program (default).
+    Jump,
+    /// A breakpoint and a ptrace stop per call.
+    Int3,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -335,6 +349,7 @@ pub struct TraceConfig {
     /// Take a full stack for every Nth call of each call site (1: all).
     pub stack_every: u64,
     pub follow_forks: bool,
+    pub probes: ProbeMode,
 }
 
 impl From<TraceArgs> for TraceConfig {
@@ -350,6 +365,10 @@ impl From<TraceArgs> for TraceConfig {
             stacks: !a.no_stacks,
             stack_every: a.stack_every,
             follow_forks: a.follow_forks,
+            probes: match a.probes {
+                ProbesArg::Jump => ProbeMode::Jump,
+                ProbesArg::Int3 => ProbeMode::Int3,
+            },
         }
     }
 }

@@ -19,7 +19,9 @@ use crate::progress::ProgressLine;
 use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::symbolize::Symbolizer;
-use crate::tracer::{Ending, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name};
+use crate::tracer::{
+    Ending, ProbeMode, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name,
+};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
 
@@ -185,6 +187,7 @@ fn attach_error(err: TraceError) -> Error {
 
 fn options(config: &TraceConfig, duration: Option<Duration>) -> TraceOptions {
     TraceOptions {
+        probes: config.probes,
         max_depth: config.max_depth,
         unwinder: config.unwinder,
         stacks: config.stacks,
@@ -207,6 +210,7 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         ("max_depth", config.max_depth.to_string()),
         ("stack_every", config.stack_every.to_string()),
         ("follow_forks", config.follow_forks.to_string()),
+        ("probes", probes_name(config).to_string()),
     ];
     let written = meta
         .into_iter()
@@ -294,6 +298,9 @@ impl Recording {
             ("nested_calls", stats.nested_calls.to_string()),
             ("lost_returns", stats.lost_returns.to_string()),
             ("copy_faults", stats.copy_faults.to_string()),
+            ("walk_faults", stats.walk_faults.to_string()),
+            ("truncated_stacks", stats.truncated_stacks.to_string()),
+            ("skipped_records", stats.skipped_records.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {
@@ -302,6 +309,11 @@ impl Recording {
         if let Ending::Killed { sig, .. } = ending {
             end.push(("exit_signal", signal_name(*sig)));
         }
+        let probes: Vec<(String, String)> = stats
+            .probes
+            .iter()
+            .map(|(function, how)| (format!("probe.{function}"), how.clone()))
+            .collect();
         if stats.hooked_functions == 0 {
             eprintln!(
                 "memptrace: warning: no allocator function found in any image; nothing was recorded"
@@ -311,8 +323,16 @@ impl Recording {
         for warning in &stats.warnings {
             eprintln!("memptrace: warning: {warning}");
         }
-        self.records
-            .send(end.into_iter().map(|(k, v)| meta_record(k, v)).collect())?;
+        let rows = end
+            .into_iter()
+            .map(|(k, v)| meta_record(k, v))
+            .chain(
+                probes
+                    .into_iter()
+                    .map(|(k, v)| Record::Meta { key: k, value: v }),
+            )
+            .collect();
+        self.records.send(rows)?;
         drop(self.records);
         self.recorder.finish()?;
         Ok(())
@@ -418,6 +438,16 @@ fn meta_record(key: &str, value: String) -> Record {
     Record::Meta {
         key: key.to_string(),
         value,
+    }
+}
+
+/// The probes a trace uses: libunwind walks a stopped thread's stack, so
+/// it takes int3 probes whatever `--probes` says.
+fn probes_name(config: &TraceConfig) -> &'static str {
+    if config.stacks && config.unwinder == UnwinderKind::Libunwind {
+        ProbeMode::Int3.name()
+    } else {
+        config.probes.name()
     }
 }
 

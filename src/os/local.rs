@@ -110,3 +110,10 @@ pub fn thread_pointer() -> u64 {
     unsafe { std::arch::asm!("mov {}, fs:[0]", out(reg) tp, options(nostack, readonly)) };
     tp
 }
+
+/// The CPU's time-stamp counter (`rdtsc`): the clock the jump probes
+/// stamp their records with.
+pub fn tsc() -> u64 {
+    // SAFETY: rdtsc reads a counter; it touches no memory.
+    unsafe { std::arch::x86_64::_rdtsc() }
+}

@@ -13,4 +13,5 @@ pub mod local;
 pub mod mem;
 pub mod procfs;
 pub mod ptrace;
+pub mod shared;
 pub mod signals;

@@ -65,7 +65,12 @@ impl Tracer {
             tracer.add_thread(tid, pid);
         }
         match tracer.hook_stopped(pid, &seized) {
-            Ok(()) => Ok(tracer),
+            Ok(()) => {
+                // `--duration` is the time traced: it starts now. (It also
+                // bounded the attach itself.)
+                tracer.control.deadline = tracer.opts.duration.map(|d| Instant::now() + d);
+                Ok(tracer)
+            }
             Err(err) => {
                 // Let go of what was seized: the threads that stopped are
                 // detached (what was planted is put back first); those that
@@ -96,7 +101,7 @@ impl Tracer {
             .find(runs)
             .or_else(|| resume.keys().next().copied())
             .ok_or(TraceError::NoSuchProcess(pid))?;
-        let space = Space::new(pid, self.copies_wanted())?;
+        let space = Space::new(pid, self.catch())?;
         if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }
@@ -104,6 +109,11 @@ impl Tracer {
         let mut arrived = self.refresh_images(pid, worker)?;
         if self.stats.hooked_functions == 0 {
             return Err(TraceError::NoAllocator(pid));
+        }
+        // A thread that stopped inside the bytes a jump now covers goes on
+        // in the probe's displaced copy of them.
+        for &tid in resume.keys() {
+            self.step_over_patch(tid)?;
         }
         for (tid, how) in resume {
             match how {

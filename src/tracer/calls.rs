@@ -64,11 +64,26 @@ impl Tracer {
             if space.hooks.is_return(at) {
                 return self.on_return(tid, regs);
             }
+            if let Some(hook) = space.hooks.missed(at) {
+                let Probe::Jump { code, .. } = &hook.probe else {
+                    unreachable!("a miss is a jump probe's")
+                };
+                return self.on_miss(tid, pid, regs, code.entry);
+            }
             return self.resume(tid, libc::SIGTRAP);
         };
-        let Probe::Int3 {
-            resume_at, stub, ..
-        } = hook.probe;
+        let (resume_at, stub) = match &hook.probe {
+            Probe::Int3 {
+                resume_at, stub, ..
+            } => (*resume_at, *stub),
+            // A jump probe where a jump could not be planted: on to it.
+            Probe::Jump {
+                code,
+                via_int3: true,
+                ..
+            } => return self.redirect(tid, regs, code.entry, Vec::new()),
+            Probe::Jump { .. } => return self.resume(tid, libc::SIGTRAP),
+        };
         match hook.kind.clone() {
             HookKind::DebugState => {
                 let signals = if recording {
@@ -89,7 +104,7 @@ impl Tracer {
     }
 
     /// Resume a thread stopped at a breakpoint at the displaced instruction.
-    fn redirect(
+    pub(super) fn redirect(
         &mut self,
         tid: Tid,
         mut regs: Regs,
@@ -407,7 +422,7 @@ impl Tracer {
 
     /// The end of the mapping holding a thread's stack, learnt once per thread
     /// (and again if the thread moves to another stack).
-    fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
+    pub(super) fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
         let thread = self.family.threads.get_mut(&tid).expect("known thread");
         if let Some(range) = &thread.stack {
             if range.contains(&sp) {
@@ -429,7 +444,7 @@ impl Tracer {
     /// Which of several names sharing an address the caller used, from the
     /// call instruction before `ret` (see [`callsite::named`]), decoded once
     /// per call site.
-    fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
+    pub(super) fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
         let Some(process) = self.family.processes.get_mut(&pid) else {
             return ops[0];
         };

@@ -28,12 +28,24 @@ impl Tracer {
         let pid = self.family.pid_of(tid).unwrap_or(tid);
         let kind = match event {
             libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
-            libc::PTRACE_EVENT_VFORK => Child::Shared { parent: pid },
+            libc::PTRACE_EVENT_VFORK => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
             _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
             // A clone that is not a thread may share memory (CLONE_VM):
             // treat it like vfork, never touch the shared code.
-            _ => Child::Shared { parent: pid },
+            _ => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
         };
+        if let Child::Shared { by, .. } = kind {
+            // The child runs on the parent thread's stack and thread
+            // pointer: the jump probes must not record its calls as the
+            // parent's (the parent itself waits until the child execs).
+            self.pause_slots(by, true);
+        }
         match (self.family.early.remove(&child), stopped) {
             (Some(first), false) => self.adopt(child, kind, first),
             (Some(_), true) => self.adopt_stopped(child, kind),
@@ -55,10 +67,10 @@ impl Tracer {
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
             Child::Fork { parent } => self.release_fork(tid, parent),
-            Child::Shared { parent } => {
-                self.family
-                    .processes
-                    .insert(tid, Process::new(Role::Shares { parent }, None));
+            Child::Shared { parent, by } => {
+                let mut process = Process::new(Role::Shares { parent }, None);
+                process.paused = Some(by);
+                self.family.processes.insert(tid, process);
                 let start_ns = self.now_ns();
                 self.family.threads.insert(tid, Thread::new(tid, start_ns));
                 self.resume(tid, 0)
@@ -107,7 +119,21 @@ impl Tracer {
         else {
             return self.release_fork(tid, parent);
         };
-        let copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        let mut copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        if let Some(control) = space.control() {
+            // Its copy of the control area is shared with the parent: it
+            // gets one of its own before it runs.
+            let mut signals = Vec::new();
+            if let Err(err) = copy.adopt_control(tid, control, &mut signals) {
+                self.stats.warnings.push(format!(
+                    "process {tid}: its calls cannot be recorded apart from its parent's ({err}); it is released"
+                ));
+                return self.release_fork(tid, parent);
+            }
+            for sig in signals {
+                let _ = ptrace::tgkill(tid, tid, sig);
+            }
+        }
         let now = self.now_ns();
         let modules: Vec<_> = copy.modules.values().cloned().collect();
         for module in &modules {

@@ -139,6 +139,17 @@ impl Tracer {
                 Stopped::Trap if self.settle_trap(tid)? => {
                     waiting.remove(&tid);
                 }
+                Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
+                    // A probe's stack walk faulted: the thread leaves the
+                    // probe with the others; the program never sees it.
+                    let to = self.walk_faulted(tid).unwrap_or_default();
+                    if let Ok(mut regs) = ptrace::get_regs(tid) {
+                        regs.rip = to;
+                        let _ = ptrace::set_regs(tid, &regs);
+                    }
+                    self.stats.walk_faults += 1;
+                    waiting.remove(&tid);
+                }
                 Stopped::Fault(_) if self.copy_faulted(tid) => {
                     // The copy routine's own fault: the copy is read with the
                     // others, the thread leaves the routine with the others,
@@ -202,6 +213,9 @@ impl Tracer {
         for tid in stuck {
             self.family.threads.remove(tid);
         }
+        // Jump probes: every thread out of their code, every call in
+        // progress sent back to its caller, every record read.
+        self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
         let pending: Vec<(Tid, Tid, u64, u64)> = self
             .family
             .threads
@@ -365,6 +379,13 @@ impl Tracer {
             ptrace::set_regs(tid, &regs)?;
             return Ok(true);
         }
+        if let Some(hook) = space.hooks.missed(at) {
+            // A jump probe's thread without a slot: its call has not begun;
+            // it begins again at the restored entry.
+            regs.rip = hook.addr;
+            ptrace::set_regs(tid, &regs)?;
+            return Ok(true);
+        }
         Ok(false)
     }
 
@@ -376,10 +397,10 @@ impl Tracer {
                 self.add_thread(tid, pid);
                 Ok(())
             }
-            Child::Shared { parent } => {
-                self.family
-                    .processes
-                    .insert(tid, Process::new(Role::Shares { parent }, None));
+            Child::Shared { parent, by } => {
+                let mut process = Process::new(Role::Shares { parent }, None);
+                process.paused = Some(by);
+                self.family.processes.insert(tid, process);
                 self.add_thread(tid, tid);
                 Ok(())
             }

@@ -30,18 +30,22 @@ impl Tracer {
         match role {
             Some(Role::Shares { .. }) if !self.opts.follow_forks => {
                 // A vfork child now has its own, clean, address space.
+                self.end_sharing(pid);
                 self.family.processes.remove(&pid);
                 self.family.threads.remove(&tid);
                 return Ok(ptrace::unless_gone(ptrace::detach(tid, 0))?);
             }
             Some(Role::Traced) => {
+                self.drain_process(pid, true);
+                self.count_probes(pid);
                 self.forget_images(pid);
                 self.ledger.forget_process(pid as u32);
             }
+            Some(Role::Shares { .. }) => self.end_sharing(pid),
             _ => {}
         }
         // A new address space: what was known of the old one goes.
-        let space = Space::new(pid, self.copies_wanted())?;
+        let space = Space::new(pid, self.catch())?;
         self.family
             .processes
             .entry(pid)
@@ -104,7 +108,17 @@ impl Tracer {
             removed,
             signals,
             warnings,
+            planted,
         } = changes;
+        for p in planted {
+            let image = crate::report::stacks::file_name(&p.module).to_string();
+            for op in p.ops {
+                let key = format!("{image}:{op}");
+                if !self.stats.probes.iter().any(|(k, _)| *k == key) {
+                    self.stats.probes.push((key, p.how.clone()));
+                }
+            }
+        }
         let now = self.now_ns();
         for module in removed {
             self.send(TraceMsg::ImageGone {

@@ -1,19 +1,19 @@
 //! The wait loop: every stop of every traced thread comes through here.
 //!
-//! The tracer owns the processes and threads it traces ([`process`]), their
-//! address spaces ([`space`]) with the probes planted in them ([`probes`]),
-//! and the book of live blocks ([`ledger`]). It turns probe stops into calls
-//! (`calls`) and hands them, with everything else it learns (images,
-//! threads), to the pipeline thread in batches ([`outbox`]). It never writes
-//! a database and never unwinds with framehop itself: the stop path stays
-//! short.
+//! The tracer owns the processes and threads it traces (`process`), their
+//! address spaces (`space`) with the probes planted in them (`probes`), and
+//! the book of live blocks (`ledger`). It turns probe stops into calls
+//! (`calls`), reads what the jump probes recorded (`rings`), and hands it
+//! all, with everything else it learns (images, threads), to the pipeline
+//! thread in batches (`outbox`). It never writes a database and never
+//! unwinds with framehop itself: the stop path stays short.
 //!
 //! Rules it keeps (`ptrace(2)`): threads are seized, so group-stops are seen as
 //! PTRACE_EVENT_STOP and answered with PTRACE_LISTEN; signals are re-injected
 //! with their number, real-time ones included; a SIGTRAP that is not one of
 //! memptrace's int3s is delivered to the program. Stopped threads are served
-//! in turn ([`stops`]), so that a traced program's threads keep their
-//! relative speeds.
+//! in turn (`stops`), so that a traced program's threads keep their relative
+//! speeds.
 
 mod attach;
 mod calls;
@@ -23,10 +23,12 @@ mod copies;
 mod detach;
 mod images;
 mod inject;
+mod jumps;
 mod ledger;
 mod outbox;
 mod probes;
 mod process;
+mod rings;
 mod space;
 mod stop;
 mod stops;
@@ -45,14 +47,37 @@ use crate::unwind::pipeline::{PipelineHandle, TraceMsg};
 use ledger::Ledger;
 use outbox::Outbox;
 use process::{Family, Process, Role, Thread};
+use rings::TscClock;
+use space::Catch;
 use stop::Stopped;
 use stops::Stops;
 
 pub use probes::int3::RelocateError;
 
+/// How the calls of allocator functions are caught (`--probes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ProbeMode {
+    /// A jump to code that records each call inside the target, with no
+    /// stop (an int3 sends the thread there where a jump is not safe).
+    #[default]
+    Jump,
+    /// An int3 on each entry: a ptrace stop per call (the reference).
+    Int3,
+}
+
+impl ProbeMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ProbeMode::Jump => "jump",
+            ProbeMode::Int3 => "int3",
+        }
+    }
+}
+
 /// What to record.
 #[derive(Clone, Debug)]
 pub struct TraceOptions {
+    pub probes: ProbeMode,
     pub max_depth: usize,
     pub unwinder: UnwinderKind,
     /// Take a stack for each call (`--no-stacks` turns it off).
@@ -94,10 +119,21 @@ pub struct TraceStats {
     /// Stack copies by the thread itself that ran into unmapped memory (read
     /// by memptrace instead; the program never saw the fault).
     pub copy_faults: u64,
+    /// Stack walks of jump probes that ran into unmapped memory (the stack
+    /// ends there; the program never saw the fault).
+    pub walk_faults: u64,
     /// Images found, and the allocator functions hooked in them.
     pub images: u64,
     pub hooked_functions: u64,
     pub warnings: Vec<String>,
+    /// How each allocator function was hooked: (`<image>:<function>`,
+    /// `jump` or `int3` and why).
+    pub probes: Vec<(String, String)>,
+    /// Stacks that ended where no unwind rule covered an address.
+    pub truncated_stacks: u64,
+    /// Sequence numbers of jump probes never seen (a thread that left a
+    /// probe halfway through committing a record).
+    pub skipped_records: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -147,6 +183,8 @@ struct Control {
 pub struct Tracer {
     opts: TraceOptions,
     clock: Instant,
+    /// The jump probes' clock in the trace's (jump probes only).
+    tsc: Option<TscClock>,
     family: Family,
     stops: Stops,
     out: Outbox,
@@ -184,9 +222,12 @@ impl Tracer {
         progress: Arc<Progress>,
     ) -> Tracer {
         let deadline = opts.duration.map(|d| Instant::now() + d);
+        let tsc = (opts.probes == ProbeMode::Jump)
+            .then(|| TscClock::calibrate(|| clock.elapsed().as_nanos() as u64));
         Tracer {
             opts,
             clock,
+            tsc,
             family: Family::default(),
             stops: Stops::default(),
             out: Outbox::new(pipeline),
@@ -209,6 +250,30 @@ impl Tracer {
         &self.stats
     }
 
+    /// How the allocator functions of a new address space are caught: jump
+    /// probes unless int3 probes are asked for (or libunwind, which walks a
+    /// stopped thread's stack, unwinds).
+    fn catch(&self) -> Catch {
+        let libunwind = self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind;
+        if self.opts.probes == ProbeMode::Jump && !libunwind {
+            let max_frames = if self.opts.stacks {
+                self.opts.max_depth as u64
+            } else {
+                1
+            };
+            Catch::Jump { max_frames }
+        } else {
+            Catch::Int3 {
+                buffers: self.copies_wanted(),
+            }
+        }
+    }
+
+    /// Jump probes catch the calls of this trace.
+    fn jumps(&self) -> bool {
+        self.tsc.is_some()
+    }
+
     /// Trace until the program exits or memptrace is told to stop; then hand
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
@@ -223,6 +288,11 @@ impl Tracer {
             let _ = self.detach_all();
         }
         self.settle_all(false);
+        self.drain_rings(true);
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.count_probes(pid);
+        }
         let flushed = self.flush();
         let ending = ending?;
         flushed?;
@@ -239,7 +309,15 @@ impl Tracer {
             if self.family.is_empty() {
                 break;
             }
-            if self.out.full() || self.ticked() {
+            if self.ticked() {
+                if let Some(clock) = self.tsc.as_mut() {
+                    clock.refine(
+                        self.clock.elapsed().as_nanos() as u64,
+                        crate::os::local::tsc(),
+                    );
+                }
+                self.flush()?;
+            } else if self.out.full() {
                 self.flush()?;
             }
             match self.next_stop() {
@@ -255,6 +333,9 @@ impl Tracer {
     /// The next stop to serve (see [`Stops`]); whatever is batched goes to
     /// the pipeline before the tracer sleeps.
     fn next_stop(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        if self.jumps() {
+            return self.next_stop_reading_rings();
+        }
         if let Some(found) = self.stops.poll()? {
             return Ok(Some(found));
         }
@@ -262,6 +343,24 @@ impl Tracer {
         // it sends next.
         let _ = self.flush();
         self.stops.wait()
+    }
+
+    /// With jump probes: read the rings between stops; with nothing to read
+    /// and no stop, sleep until a tracee stops (SIGCHLD), 1 ms at most.
+    fn next_stop_reading_rings(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        if let Some(found) = self.stops.ready() {
+            return Ok(Some(found));
+        }
+        let read = self.drain_rings(false);
+        if let Some(found) = self.stops.poll_once()? {
+            return Ok(Some(found));
+        }
+        if read == 0 {
+            let _ = self.flush();
+            signals::wait_child(Duration::from_millis(1));
+            return self.stops.poll_once();
+        }
+        Ok(None)
     }
 
     /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
@@ -342,6 +441,10 @@ impl Tracer {
             Stopped::Gone => self.thread_gone(tid, stop),
             Stopped::Trap => self.trap(tid),
             Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
+            Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
+                Some(to) => self.recover_walk(tid, to),
+                None => self.resume(tid, sig),
+            },
             Stopped::Fault(sig) | Stopped::Signal(sig) => self.resume(tid, sig),
             Stopped::Birth(event) => {
                 self.announce_child(tid, event, false)?;
@@ -349,6 +452,7 @@ impl Tracer {
             }
             Stopped::Exec => self.exec(tid),
             Stopped::Exiting => {
+                self.release_slots(tid);
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
                 if let Some(thread) = self.family.threads.get_mut(&tid) {
@@ -408,6 +512,9 @@ impl Tracer {
         {
             b.release(tid);
         }
+        if self.family.pid_of(tid) == Some(tid) {
+            self.end_sharing(tid);
+        }
         let Some(thread) = self.family.threads.remove(&tid) else {
             return Ok(());
         };
@@ -427,6 +534,8 @@ impl Tracer {
         }
         // The leader's exit is reported last: the whole process is gone.
         self.warn_if_unhooked(tid);
+        self.drain_process(tid, true);
+        self.count_probes(tid);
         for t in self.family.threads_of(tid) {
             self.settle_copy(t, false);
             self.family.threads.remove(&t);

@@ -43,6 +43,11 @@ pub struct Process {
     pub sites: HashMap<u64, u64>,
     /// The user was told its program has nothing to hook.
     pub warned: bool,
+    /// Records of its jump probes waiting for their turn.
+    pub merge: super::rings::Merge,
+    /// A vfork child: the thread of its parent whose slot records nothing
+    /// while the child runs on the parent's stack.
+    pub paused: Option<Tid>,
 }
 
 impl Process {
@@ -54,6 +59,8 @@ impl Process {
             aliases: HashMap::new(),
             sites: HashMap::new(),
             warned: false,
+            merge: Default::default(),
+            paused: None,
         }
     }
 
@@ -116,7 +123,7 @@ impl Thread {
 pub enum Child {
     Thread { pid: Tid },
     Fork { parent: Tid },
-    Shared { parent: Tid },
+    Shared { parent: Tid, by: Tid },
 }
 
 /// Every traced process and thread.

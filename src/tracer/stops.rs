@@ -62,6 +62,17 @@ impl Stops {
         Ok(self.take())
     }
 
+    /// A stop taken already, if any.
+    pub fn ready(&mut self) -> Option<(Tid, Stop)> {
+        self.take()
+    }
+
+    /// The stops ready now, if any, without waiting.
+    pub fn poll_once(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        self.gather()?;
+        Ok(self.take())
+    }
+
     /// A thread is gone: it has no turn any more.
     pub fn forget(&mut self, tid: Tid) {
         self.served.remove(&tid);
@@ -83,7 +94,7 @@ impl Stops {
                 Ok(Some(stop)) => found.push(stop),
                 Ok(None) => break,
                 // Nothing left to wait for, once the last exit is taken.
-                Err(_) if !found.is_empty() => break,
+                Err(_) if !found.is_empty() || !self.ready.is_empty() => break,
                 Err(err) => return Err(err),
             }
         }

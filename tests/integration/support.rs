@@ -701,3 +701,10 @@ impl Trace {
             .collect()
     }
 }
+
+/// The probes the traces of this test run use: `MEMPTRACE_PROBES` (which
+/// memptrace reads too), jump by default. `scripts/test` runs the suite
+/// once with each.
+pub fn probes() -> String {
+    std::env::var("MEMPTRACE_PROBES").unwrap_or_else(|_| "jump".to_string())
+}

@@ -8,6 +8,9 @@
 //! - [`int3`]: a breakpoint on the first instruction; the thread stops, and
 //!   memptrace sends it on through a slot holding the displaced instruction
 //!   (and a call stub when it wants the call's result).
+//! - [`jump`]: a jump to code that records the call inside the target, into
+//!   memory shared with memptrace, with no stop (or, where a jump cannot be
+//!   planted safely, an int3 whose stop sends the thread to the same code).
 //!
 //! Planting and restoring are the only two ways code changes: a hook
 //! remembers the bytes its patch covers, and [`Hooks::restore_all`] (detach)
@@ -52,13 +55,24 @@ pub enum Probe {
         /// What the slot holds at `resume_at`.
         displaced: Displaced,
     },
+    /// A jump (or an int3, `via_int3`) to a recording probe.
+    Jump {
+        code: jump::code::ProbeCode,
+        via_int3: bool,
+    },
 }
 
 impl Probe {
-    /// The bytes that patch the function's entry.
-    pub fn patch(&self) -> Vec<u8> {
+    /// The bytes that patch the function's entry, at `at`.
+    pub fn patch(&self, at: u64) -> Vec<u8> {
         match self {
-            Probe::Int3 { .. } => vec![int3::INT3],
+            Probe::Int3 { .. } | Probe::Jump { via_int3: true, .. } => vec![int3::INT3],
+            Probe::Jump { code, .. } => {
+                let rel = code.entry.wrapping_sub(at + jump::plan::JUMP_LEN) as i64 as i32;
+                let mut bytes = vec![0xe9];
+                bytes.extend(rel.to_le_bytes());
+                bytes
+            }
         }
     }
 }
@@ -79,6 +93,9 @@ pub struct Hooks {
     by_addr: HashMap<u64, Hook>,
     /// The return int3 of each call stub, and the hook it serves.
     returns: HashMap<u64, u64>,
+    /// The int3 of each jump probe that a thread without a slot reaches,
+    /// and the hook it serves.
+    misses: HashMap<u64, u64>,
 }
 
 impl Hooks {
@@ -107,10 +124,15 @@ impl Hooks {
         self.returns.contains_key(&at)
     }
 
+    /// The hook whose jump probe has its miss int3 at `at`.
+    pub fn missed(&self, at: u64) -> Option<&Hook> {
+        self.by_addr.get(self.misses.get(&at)?)
+    }
+
     /// Write the probe's patch over the entry (its code is in place) and
     /// book the hook.
     pub fn plant(&mut self, mem: &CodeWriter, hook: Hook) -> io::Result<()> {
-        mem.write(hook.addr, &hook.probe.patch())?;
+        mem.write(hook.addr, &hook.probe.patch(hook.addr))?;
         self.book(hook);
         Ok(())
     }
@@ -118,8 +140,14 @@ impl Hooks {
     /// Book a hook whose patch is already in the code (a forked child's
     /// copy of its parent's).
     pub fn book(&mut self, hook: Hook) {
-        let Probe::Int3 { stub, .. } = &hook.probe;
-        self.returns.insert(stub + RETURN_INT3, hook.addr);
+        match &hook.probe {
+            Probe::Int3 { stub, .. } => {
+                self.returns.insert(stub + RETURN_INT3, hook.addr);
+            }
+            Probe::Jump { code, .. } => {
+                self.misses.insert(code.miss, hook.addr);
+            }
+        }
         self.by_addr.insert(hook.addr, hook);
     }
 
@@ -129,12 +157,14 @@ impl Hooks {
         self.by_addr.retain(|addr, _| !range.contains(addr));
         let by_addr = &self.by_addr;
         self.returns.retain(|_, addr| by_addr.contains_key(addr));
+        self.misses.retain(|_, addr| by_addr.contains_key(addr));
     }
 
     /// Forget every hook (the code they patched is gone: an exec).
     pub fn clear(&mut self) {
         self.by_addr.clear();
         self.returns.clear();
+        self.misses.clear();
     }
 
     /// Put every original byte back (before detaching).
@@ -166,7 +196,10 @@ impl Hooks {
                 resume_at,
                 stub,
                 displaced,
-            } = &hook.probe;
+            } = &hook.probe
+            else {
+                continue;
+            };
             if let Some(rip) = displaced.original_rip(regs.rip, *resume_at, hook.addr) {
                 regs.rip = rip;
                 return Some(true);

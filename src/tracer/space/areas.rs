@@ -12,8 +12,14 @@ use std::ops::Range;
 
 use crate::os::procfs::Mapping;
 
-/// Size of one trampoline area (one page).
+/// Size of a trampoline area for int3 probes (one page: 64 slots); jump
+/// probes, a few hundred bytes each, take areas of [`JUMP_AREA_SIZE`].
 pub const AREA_SIZE: u64 = 4096;
+pub const JUMP_AREA_SIZE: u64 = 64 << 10;
+
+/// Places tried in each gap of the address space, from its end down (or
+/// its start up): one may have been taken since /proc/PID/maps was read.
+const TRIES_PER_GAP: u64 = 8;
 
 /// How far a rel32 operand reaches, with a margin for the image's own size.
 const REACH: u64 = (1 << 31) - (64 << 20);
@@ -27,6 +33,7 @@ pub struct Areas {
 #[derive(Clone, Copy, Debug)]
 struct Area {
     start: u64,
+    end: u64,
     /// The next free byte.
     next: u64,
 }
@@ -37,7 +44,7 @@ impl Areas {
         let area = self
             .areas
             .iter_mut()
-            .find(|a| a.next + len <= a.start + AREA_SIZE && reaches(a.start, image))?;
+            .find(|a| a.next + len <= a.end && reaches(a.start, image))?;
         let at = area.next;
         area.next += len;
         Some(at)
@@ -45,33 +52,30 @@ impl Areas {
 
     /// `len` bytes anywhere, if an area has room.
     pub fn take_anywhere(&mut self, len: u64) -> Option<u64> {
-        let area = self
-            .areas
-            .iter_mut()
-            .find(|a| a.next + len <= a.start + AREA_SIZE)?;
+        let area = self.areas.iter_mut().find(|a| a.next + len <= a.end)?;
         let at = area.next;
         area.next += len;
         Some(at)
     }
 
-    /// A new area mapped at `start`; its first `len` bytes are taken.
-    pub fn add(&mut self, start: u64, len: u64) {
+    /// A new area of `size` bytes mapped at `start`; its first `len` bytes
+    /// are taken.
+    pub fn add(&mut self, start: u64, size: u64, len: u64) {
         self.areas.push(Area {
             start,
+            end: start + size,
             next: start + len,
         });
     }
 
     /// True when `addr` lies in an area.
     pub fn contains(&self, addr: u64) -> bool {
-        self.areas
-            .iter()
-            .any(|a| (a.start..a.start + AREA_SIZE).contains(&addr))
+        self.areas.iter().any(|a| (a.start..a.end).contains(&addr))
     }
 
     /// The areas' address ranges, to unmap.
     pub fn ranges(&self) -> impl Iterator<Item = Range<u64>> + '_ {
-        self.areas.iter().map(|a| a.start..a.start + AREA_SIZE)
+        self.areas.iter().map(|a| a.start..a.end)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -83,22 +87,25 @@ impl Areas {
     }
 }
 
-/// True when an area at `area` can serve code in `image` (rel32 reach both ways).
+/// True when an area at `area` can serve code in `image` (rel32 reach both
+/// ways; the margin in [`REACH`] covers the area's own size).
 pub fn reaches(area: u64, image: &Range<u64>) -> bool {
     let lo = image.end.saturating_sub(REACH);
     let hi = image.start.saturating_add(REACH);
-    area >= lo && area + AREA_SIZE <= hi
+    area >= lo && area + JUMP_AREA_SIZE <= hi
 }
 
-/// Candidate addresses for a new area serving `image`, best first: the highest
-/// free gaps below the image that are in reach, then (unless `below_only`) the
-/// lowest above it. The main executable passes `below_only`: the brk heap grows
-/// up from its end, and an area there could stop the heap from growing.
+/// Candidate addresses for a new area of `size` bytes serving `image`, best
+/// first: the highest free places below the image that are in reach, then
+/// (unless `below_only`) the lowest above it. The main executable passes
+/// `below_only`: the brk heap grows up from its end, and an area there could
+/// stop the heap from growing.
 pub fn place_area(
     maps: &[Mapping],
     image: &Range<u64>,
     min_addr: u64,
     below_only: bool,
+    size: u64,
 ) -> Vec<u64> {
     let mut gaps = Vec::new();
     let mut prev_end = min_addr.max(0x10000);
@@ -108,18 +115,29 @@ pub fn place_area(
         }
         prev_end = prev_end.max(m.end);
     }
+    let fits = |g: &&Range<u64>| g.end - g.start >= size;
     let mut below: Vec<u64> = gaps
         .iter()
-        .filter(|g| g.end <= image.start && g.end - g.start >= AREA_SIZE)
-        .map(|g| g.end - AREA_SIZE)
+        .filter(|g| g.end <= image.start)
+        .filter(fits)
+        .flat_map(|g| {
+            (1..=TRIES_PER_GAP)
+                .map(move |i| g.end.wrapping_sub(i * size))
+                .take_while(move |&a| a >= g.start && a <= g.end)
+        })
         .filter(|&a| reaches(a, image))
         .collect();
     below.sort_unstable_by(|a, b| b.cmp(a));
     let mut above: Vec<u64> = gaps
         .iter()
-        .filter(|g| g.start >= image.end && g.end - g.start >= AREA_SIZE)
+        .filter(|g| g.start >= image.end)
+        .filter(fits)
         .filter(|_| !below_only)
-        .map(|g| g.start)
+        .flat_map(|g| {
+            (0..TRIES_PER_GAP)
+                .map(move |i| g.start + i * size)
+                .take_while(move |&a| a + size <= g.end)
+        })
         .filter(|&a| reaches(a, image))
         .collect();
     above.sort_unstable();
@@ -149,16 +167,18 @@ mod tests {
             map(0x7ffc_0000_0000, 0x7ffc_0002_1000), // stack
         ];
         let exe = 0x400000..0x500000;
-        let spots = place_area(&maps, &exe, 0x10000, true);
+        let spots = place_area(&maps, &exe, 0x10000, true, AREA_SIZE);
         assert_eq!(spots[0], 0x400000 - AREA_SIZE);
         assert!(
             spots.iter().all(|&a| a < 0x400000),
             "nothing above the heap start"
         );
         let lib = 0x7f00_0000_0000..0x7f00_0020_0000;
-        let spots = place_area(&maps, &lib, 0x10000, false);
+        let spots = place_area(&maps, &lib, 0x10000, false, AREA_SIZE);
         assert_eq!(spots[0], 0x7f00_0000_0000 - AREA_SIZE);
         assert!(spots.iter().all(|&a| reaches(a, &lib)));
+        // Several places per gap, highest first, none overlapping.
+        assert_eq!(spots[1], spots[0] - AREA_SIZE);
     }
 
     #[test]
@@ -166,7 +186,7 @@ mod tests {
         let mut areas = Areas::default();
         let lib = 0x7f00_0000_0000..0x7f00_0020_0000;
         assert_eq!(areas.take(64, &lib), None);
-        areas.add(0x7f00_0000_0000 - AREA_SIZE, 64);
+        areas.add(0x7f00_0000_0000 - AREA_SIZE, AREA_SIZE, 64);
         assert_eq!(
             areas.take(64, &lib),
             Some(0x7f00_0000_0000 - AREA_SIZE + 64)

@@ -19,13 +19,18 @@ use std::sync::Arc;
 
 use super::inject;
 use super::probes::int3::{self, DISPLACED, INT3, SLOT_SIZE};
+use super::probes::jump::code::{self as probe_code, ProbeSpec};
+use super::probes::jump::control::Control;
+use super::probes::jump::{layout, plan};
 use super::probes::{Hook, HookKind, Hooks, Probe};
 use crate::addr::Svma;
+use crate::event::Op;
 use crate::memory::Memory;
 use crate::os::mem::{CodeWriter, SharedMapping};
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::{Regs, Tid};
-use areas::{AREA_SIZE, Areas};
+use crate::unwind::tables;
+use areas::{AREA_SIZE, Areas, JUMP_AREA_SIZE};
 use buffers::{BUFFER_STRIDE, BUFFERS, COPY_ROUTINE, InCopy, StackBuffers};
 use images::{ImageMapping, LoadedModule};
 
@@ -42,6 +47,47 @@ pub enum SpaceError {
     },
     #[error("cannot map a trampoline page: {0}")]
     Inject(#[from] inject::InjectError),
+    #[error(transparent)]
+    Probe(#[from] probe_code::AsmError),
+}
+
+/// How the calls of a space's allocator functions are caught.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Catch {
+    /// An int3 on each entry; `buffers`: threads copy their own stacks.
+    Int3 { buffers: bool },
+    /// A jump to a probe that records the call in the target, taking at
+    /// most `max_frames` return addresses.
+    Jump { max_frames: u64 },
+}
+
+/// What the jump probes of a space need.
+pub struct Jumps {
+    /// The control area, once made (see [`Control`]).
+    pub control: Option<Control>,
+    /// Making it was tried.
+    tried: bool,
+    max_frames: u64,
+    fsgsbase: bool,
+    /// What each probe serves, by its number.
+    pub probes: Vec<ProbeInfo>,
+}
+
+/// What a jump probe serves.
+#[derive(Clone, Debug)]
+pub struct ProbeInfo {
+    pub module_id: u64,
+    /// The names sharing the function's address (see `callsite`).
+    pub ops: Vec<Op>,
+}
+
+/// How one allocator function was hooked, for the trace's `meta`.
+#[derive(Clone, Debug)]
+pub struct Planted {
+    pub module: String,
+    pub ops: Vec<Op>,
+    /// `jump`, or `int3` and why.
+    pub how: String,
 }
 
 /// What a refresh of the image list found.
@@ -54,6 +100,8 @@ pub struct Changes {
     /// Problems with single images (unreadable file, unrelocatable entry);
     /// the trace goes on without them.
     pub warnings: Vec<String>,
+    /// The allocator functions hooked.
+    pub planted: Vec<Planted>,
 }
 
 pub struct Space {
@@ -71,12 +119,26 @@ pub struct Space {
     shared: Option<Range<u64>>,
     /// Setting the buffers up was tried (it is tried once per space).
     buffers_tried: bool,
+    /// With jump probes: what they need.
+    pub jump: Option<Jumps>,
 }
 
 impl Space {
-    /// The space of process `pid`; `buffers`: set up stack buffers (only
-    /// framehop stacks on every call use them).
-    pub fn new(pid: Tid, buffers: bool) -> io::Result<Space> {
+    /// The space of process `pid`, its calls caught as `catch` says.
+    pub fn new(pid: Tid, catch: Catch) -> io::Result<Space> {
+        let (buffers, jump) = match catch {
+            Catch::Int3 { buffers } => (buffers, None),
+            Catch::Jump { max_frames } => (
+                false,
+                Some(Jumps {
+                    control: None,
+                    tried: false,
+                    max_frames,
+                    fsgsbase: procfs::fsgsbase(pid),
+                    probes: Vec::new(),
+                }),
+            ),
+        };
         Ok(Space {
             pid,
             mem: CodeWriter::open(pid)?,
@@ -87,7 +149,22 @@ impl Space {
             buffers: None,
             shared: None,
             buffers_tried: !buffers,
+            jump,
         })
+    }
+
+    /// The control area of the jump probes, if this space has one.
+    pub fn control(&self) -> Option<&Control> {
+        self.jump.as_ref()?.control.as_ref()
+    }
+
+    pub fn control_mut(&mut self) -> Option<&mut Control> {
+        self.jump.as_mut()?.control.as_mut()
+    }
+
+    /// What jump probe `id` serves.
+    pub fn probe_info(&self, id: u16) -> Option<&ProbeInfo> {
+        self.jump.as_ref()?.probes.get(usize::from(id))
     }
 
     /// The space of a child forked from this one (`pid`), which has copies of
@@ -125,11 +202,42 @@ impl Space {
             exe: self.exe.clone(),
             // The child's copy of the shared mapping is still shared with
             // the parent: it copies stacks the old way, and the mapping goes
-            // with the trampoline pages.
+            // with the trampoline pages. Its control area, likewise, is its
+            // parent's until it gets one of its own (`adopt_control`).
             buffers: None,
             shared: self.shared.clone(),
             buffers_tried: true,
+            jump: self.jump.as_ref().map(|j| Jumps {
+                control: None,
+                tried: true,
+                max_frames: j.max_frames,
+                fsgsbase: j.fsgsbase,
+                probes: j.probes.clone(),
+            }),
         })
+    }
+
+    /// Give a forked child (this space, made by [`Space::fork_copy`], its
+    /// thread `tid` stopped) a control area of its own at the address of
+    /// its parent's, with the parent's tables: its probes, copies of the
+    /// parent's, then record into memory the parent does not share.
+    pub fn adopt_control(
+        &mut self,
+        tid: Tid,
+        parent: &Control,
+        signals: &mut Vec<i32>,
+    ) -> Result<(), String> {
+        let insn = self.syscall_insn().ok_or("no syscall instruction")?;
+        let name = self
+            .name_in_target(tid, signals)
+            .map_err(|e| e.to_string())?;
+        let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
+            .map_err(|e| e.to_string())?;
+        control.copy_tables_from(parent);
+        if let Some(jump) = self.jump.as_mut() {
+            jump.control = Some(control);
+        }
+        Ok(())
     }
 
     pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
@@ -161,6 +269,13 @@ impl Space {
             }
         }
 
+        if let Some(jump) = self.jump.as_mut() {
+            for module in &changes.removed {
+                if let Some(control) = jump.control.as_mut() {
+                    control.remove_image(module.range.start);
+                }
+            }
+        }
         for f in found {
             if self
                 .modules
@@ -170,14 +285,30 @@ impl Space {
                 continue;
             }
             match self.add_image(&f, next_id) {
-                Ok(Some(module)) => {
-                    if let Err(err) = self.hook(tid, &module, &maps, &mut changes.signals) {
-                        changes.warnings.push(format!("{}: {err}", module.path));
-                    }
-                    changes.added.push(module);
-                }
+                Ok(Some(module)) => changes.added.push(module),
                 Ok(None) => {}
                 Err(err) => changes.warnings.push(format!("{}: {err}", f.path)),
+            }
+        }
+        if !changes.added.is_empty() && self.jump.as_ref().is_some_and(|j| !j.tried) {
+            if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
+            {
+                changes.warnings.push(format!(
+                    "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}",
+                    self.pid
+                ));
+            }
+        }
+        if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {
+            for module in &changes.added {
+                let table = tables::build(&module.image);
+                control.add_image(module.range.clone(), module.bias.0, &table);
+            }
+        }
+        let added = changes.added.clone();
+        for module in &added {
+            if let Err(err) = self.hook(tid, module, &maps, &mut changes) {
+                changes.warnings.push(format!("{}: {err}", module.path));
             }
         }
         if !self.buffers_tried && !self.areas.is_empty() {
@@ -251,12 +382,46 @@ impl Space {
         Ok(())
     }
 
+    /// Make the control area of the jump probes (once per space).
+    fn make_control(
+        &mut self,
+        tid: Tid,
+        near: &LoadedModule,
+        maps: &[Mapping],
+        signals: &mut Vec<i32>,
+    ) -> Result<(), SpaceError> {
+        if let Some(jump) = self.jump.as_mut() {
+            jump.tried = true;
+        }
+        let insn = self
+            .syscall_insn()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+        let name = self.room_near(tid, near, maps, 16, signals)?;
+        self.mem.write(name, b"memptrace\0")?;
+        let control = Control::create(self.pid, tid, insn, name, None, signals)
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        if let Some(jump) = self.jump.as_mut() {
+            jump.control = Some(control);
+        }
+        Ok(())
+    }
+
+    /// A NUL-terminated name in the target's memory, for `memfd_create`.
+    fn name_in_target(&mut self, _tid: Tid, _signals: &mut Vec<i32>) -> Result<u64, SpaceError> {
+        let at = self
+            .areas
+            .take_anywhere(16)
+            .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
+        self.mem.write(at, b"memptrace\0")?;
+        Ok(at)
+    }
+
     fn hook(
         &mut self,
         tid: Tid,
         module: &LoadedModule,
         maps: &[Mapping],
-        signals: &mut Vec<i32>,
+        changes: &mut Changes,
     ) -> Result<(), SpaceError> {
         let mut targets: Vec<(u64, HookKind)> = module
             .image
@@ -274,13 +439,108 @@ impl Space {
         if let Some(svma) = module.image.debug_state {
             targets.push((module.bias.to_avma(svma).0, HookKind::DebugState));
         }
+        let signals = &mut changes.signals;
+        let jumps = self.control().is_some();
         for (addr, kind) in targets {
             if self.hooks.contains(addr) {
                 continue;
             }
-            self.plant_int3(tid, module, maps, addr, kind, signals)?;
+            match kind {
+                HookKind::Allocator { ops, .. } if jumps => {
+                    let how = self.plant_jump(tid, module, maps, addr, ops.clone(), signals)?;
+                    changes.planted.push(Planted {
+                        module: module.path.clone(),
+                        ops,
+                        how,
+                    });
+                }
+                HookKind::Allocator { ref ops, .. } => {
+                    changes.planted.push(Planted {
+                        module: module.path.clone(),
+                        ops: ops.clone(),
+                        how: "int3".into(),
+                    });
+                    self.plant_int3(tid, module, maps, addr, kind, signals)?;
+                }
+                HookKind::DebugState => self.plant_int3(tid, module, maps, addr, kind, signals)?,
+            }
         }
         Ok(())
+    }
+
+    /// A jump probe on the allocator function at `addr`: a jump to it where
+    /// that is safe, else an int3 that memptrace turns into the same. Says
+    /// which.
+    fn plant_jump(
+        &mut self,
+        tid: Tid,
+        module: &LoadedModule,
+        maps: &[Mapping],
+        addr: u64,
+        ops: Vec<Op>,
+        signals: &mut Vec<i32>,
+    ) -> Result<String, SpaceError> {
+        const SCAN: u64 = 512;
+        let mut code = vec![0u8; SCAN.min(module.range.end.saturating_sub(addr)) as usize];
+        let n = self.mem.read(addr, &mut code)?;
+        code.truncate(n);
+        if code.first() == Some(&INT3) {
+            // Someone else's breakpoint: displacing it would change what the
+            // program does.
+            return Ok("none: the entry is an int3 already".into());
+        }
+        let plan = plan::plan(&code, addr);
+        let jump = self.jump.as_ref().expect("jump probes");
+        let control = jump.control.as_ref().expect("a control area");
+        let spec = ProbeSpec {
+            id: jump.probes.len() as u16,
+            op: ops[0],
+            control: control.remote,
+            displaced: plan.displaced.clone(),
+            resume: plan.resume,
+            max_frames: jump.max_frames,
+            fsgsbase: jump.fsgsbase,
+        };
+        // Its size, assembled near where it will go, with room for branches
+        // that come out longer there.
+        let near = module.range.start.saturating_sub(AREA_SIZE);
+        let room = (probe_code::probe(&spec, near)?.bytes.len() as u64 + 64).next_multiple_of(16);
+        let at = self.room_near(tid, module, maps, room, signals)?;
+        let probe = probe_code::probe(&spec, at)?;
+        if probe.bytes.len() as u64 > room {
+            return Err(SpaceError::NoRoom(format!(
+                "{}: the probe grew",
+                module.path
+            )));
+        }
+        let patch_len = if plan.is_jump() { plan::JUMP_LEN } else { 1 };
+        let mut orig = vec![0u8; patch_len as usize];
+        self.mem.read_exact(plan.at, &mut orig)?;
+        // The probe first, then the patch: a thread never reaches a patch
+        // whose probe is not ready.
+        self.mem.write(at, &probe.bytes)?;
+        let hook = Hook {
+            addr: plan.at,
+            orig,
+            probe: Probe::Jump {
+                code: probe,
+                via_int3: !plan.is_jump(),
+            },
+            kind: HookKind::Allocator {
+                module_id: module.id,
+                ops: ops.clone(),
+            },
+        };
+        self.hooks.plant(&self.mem, hook)?;
+        let jump = self.jump.as_mut().expect("jump probes");
+        jump.probes.push(ProbeInfo {
+            module_id: module.id,
+            ops,
+        });
+        Ok(match plan.int3 {
+            None => "jump".into(),
+            Some(why) => format!("int3: {why}"),
+        })
     }
 
     fn plant_int3(
@@ -338,16 +598,27 @@ impl Space {
         let insn = self.syscall_insn().ok_or_else(|| {
             SpaceError::NoRoom("no syscall instruction to map a page with".into())
         })?;
-        let candidates =
-            areas::place_area(maps, &module.range, procfs::mmap_min_addr(), module.is_main);
+        let size = if self.jump.is_some() {
+            JUMP_AREA_SIZE
+        } else {
+            AREA_SIZE
+        }
+        .max(len.next_multiple_of(AREA_SIZE));
+        let candidates = areas::place_area(
+            maps,
+            &module.range,
+            procfs::mmap_min_addr(),
+            module.is_main,
+            size,
+        );
         for addr in candidates {
-            match inject::map_code(tid, insn, addr, AREA_SIZE) {
+            match inject::map_code(tid, insn, addr, size) {
                 Ok(done) => {
                     signals.extend(done.signals);
                     if done.value != addr {
                         continue;
                     }
-                    self.areas.add(addr, len);
+                    self.areas.add(addr, size, len);
                     return Ok(addr);
                 }
                 Err(inject::InjectError::Errno(libc::EEXIST)) => continue,
@@ -416,6 +687,11 @@ impl Space {
         Some(true)
     }
 
+    /// True when `rip` lies in one of the trampoline areas.
+    pub fn in_areas(&self, rip: u64) -> bool {
+        self.areas.contains(rip)
+    }
+
     /// Where a thread at `rip` stands in the copy routine, if it is there.
     pub fn in_copy(&self, rip: u64) -> Option<InCopy> {
         buffers::in_copy(rip, self.buffers.as_ref()?.routine)
@@ -430,6 +706,9 @@ impl Space {
         self.areas.clear();
         self.buffers = None;
         self.shared = None;
+        if let Some(jump) = self.jump.as_mut() {
+            jump.control = None;
+        }
         Ok(signals)
     }
 
@@ -440,7 +719,14 @@ impl Space {
             .syscall_insn()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction to unmap with".into()))?;
         let mut signals = Vec::new();
-        let ranges = self.areas.ranges().chain(self.shared.clone());
+        let control = self
+            .control()
+            .map(|c| c.remote..c.remote + layout::AREA_SIZE);
+        let ranges = self
+            .areas
+            .ranges()
+            .chain(self.shared.clone())
+            .chain(control);
         for range in ranges {
             let done = inject::syscall(
                 tid,

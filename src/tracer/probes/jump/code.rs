@@ -235,6 +235,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.test(rsi, rsi)?;
     a.jz(l.truncated)?;
     a.mov(eax, dword_ptr(rsi + r8))?;
+    a.cmp(eax, rule::END as i32)?;
+    a.je(l.walked)?; // the outermost frame: the stack is whole
     a.test(eax, eax)?;
     a.js(l.truncated)?; // rule::NONE
     // CFA = base + offset, above the frame and inside the stack.

@@ -101,20 +101,8 @@ pub mod dir {
     pub const ROWS: u64 = 40;
 }
 
-/// An unwind rule, as a u32: how to find the caller's frame from a frame
-/// at an address the row covers.
-pub mod rule {
-    /// Bits 0-15: the CFA is this many bytes above its base register.
-    pub const OFFSET_MASK: u32 = 0xffff;
-    /// Bit 16: the base register is rbp (else rsp).
-    pub const RBP_BASED: u32 = 1 << 16;
-    /// Bits 17-24: the caller's rbp is saved at CFA - 8 * this (0: rbp is
-    /// not changed in this frame).
-    pub const RBP_SHIFT: u32 = 17;
-    pub const RBP_MASK: u32 = 0xff;
-    /// Bit 31: no rule covers the address: the stack ends here.
-    pub const NONE: u32 = 1 << 31;
-}
+/// The rules of the unwind tables (see [`crate::unwind::tables`]).
+pub use crate::unwind::tables::rule;
 
 pub const TABLES: u64 = DIRS + DIR_COUNT * DIR_SIZE;
 pub const TABLES_SIZE: u64 = 64 << 20;

@@ -6,9 +6,8 @@
 //! machine code, and [`layout`] is the shared memory the probes and
 //! memptrace agree on.
 
-#![allow(dead_code)] // not yet wired into the tracer
-
 pub mod code;
+pub mod control;
 pub mod layout;
 pub mod plan;
 

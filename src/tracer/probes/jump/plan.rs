@@ -77,6 +77,13 @@ fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
                 insn.ip()
             ));
         }
+        if insn.flow_control() == FlowControl::Call && len < JUMP_LEN {
+            // Its callee would return inside the jump.
+            return Err(format!(
+                "{:#x}: a call in the bytes a jump needs",
+                insn.ip()
+            ));
+        }
     }
     let patched = at + 1..at + len;
     if let Some(from) = branch_into(code, addr, &patched) {
