@@ -746,7 +746,7 @@ fn image_mappings(maps: &[Mapping]) -> Vec<ImageMapping> {
 fn load_image(pid: Tid, f: &ImageMapping) -> io::Result<ElfImage> {
     let bytes = std::fs::read(procfs::map_file(pid, f.start, f.first_end))
         .or_else(|_| std::fs::read(f.path.trim_end_matches(" (deleted)")))?;
-    ElfImage::parse(&f.path, &bytes).map_err(io::Error::other)
+    crate::symbols::locate::load(&f.path, &bytes).map_err(io::Error::other)
 }
 
 #[cfg(test)]

@@ -92,6 +92,8 @@ struct Pipeline {
     result: PipelineResult,
     out: Vec<Record>,
     ips: Vec<u64>,
+    /// `meta` keys written by the pipeline.
+    meta_written: std::collections::HashSet<String>,
 }
 
 /// The producer side, held by the tracer.
@@ -123,6 +125,7 @@ impl PipelineHandle {
             result: PipelineResult::default(),
             out: Vec::new(),
             ips: Vec::with_capacity(max_depth),
+            meta_written: Default::default(),
         };
         let thread = std::thread::Builder::new()
             .name("memptrace-unwind".into())
@@ -197,6 +200,7 @@ impl Pipeline {
                     process.unwinder.add_image(&mapped);
                 }
                 process.images.insert(mapped.range.start, mapped.clone());
+                self.allocator_meta(&record.path, &mapped);
                 self.modules_by_id.insert(mapped.module_id, mapped);
                 self.result.modules.insert(record.id, record.clone());
                 self.out.push(Record::Module(record));
@@ -269,6 +273,24 @@ impl Pipeline {
         }
         self.result.events += 1;
         self.out.push(Record::Event(event));
+    }
+
+    /// One `meta` row per allocator function of an image, saying how it was
+    /// found: `allocator.<path>.<function>` = `symbol at 0x…`, `debug file
+    /// <path> at 0x…` or `signature <function> of <library> at 0x…`.
+    /// Written once per path and function (forked children share them).
+    fn allocator_meta(&mut self, path: &str, mapped: &MappedImage) {
+        for entry in &mapped.image.allocators {
+            for op in &entry.ops {
+                let key = format!("allocator.{path}.{op}");
+                if self.meta_written.insert(key.clone()) {
+                    self.out.push(Record::Meta {
+                        key,
+                        value: format!("{} at {:#x}", entry.found_by, entry.svma.0),
+                    });
+                }
+            }
+        }
     }
 
     /// A release of an unknown block is the allocator's housekeeping (glibc's

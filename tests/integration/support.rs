@@ -151,14 +151,59 @@ fn build_variant(variant: Variant) -> PathBuf {
             );
             compile(variant, &["noptrace.c"], &dir.join("noptrace"), &[]);
         }
-        Variant::Static => {
-            // What `strip -s` leaves of a static binary: no allocator symbol.
-            compile(variant, &["leaks.c"], &dir.join("stripped"), &[]);
-            build(Command::new("strip").arg("-s").arg(dir.join("stripped")));
-        }
+        Variant::Static | Variant::Musl => stripped_builds(variant, &dir),
         _ => {}
     }
     dir
+}
+
+/// Static binaries as they ship (tests/integration/stripped.rs): built
+/// without unwind tables and without frame pointers (`nounwind`, from
+/// deep.c: CFI only in `.debug_frame`); `strip -s` copies of `leaks`,
+/// `deep` and `nounwind` (`stripped-*`: no symbol, no DWARF, no
+/// `.debug_frame`); and in `split/` the same stripped, each with its debug
+/// file beside it (`objcopy --only-keep-debug`, `--add-gnu-debuglink`).
+/// Stripping moves no code: the unstripped builds name the stripped ones'
+/// addresses. A static binary with no C library at all (`nolibc`) has no
+/// allocator to find.
+fn stripped_builds(variant: Variant, dir: &Path) {
+    compile(
+        variant,
+        &["deep.c"],
+        &dir.join("nounwind"),
+        &[
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+            "-fomit-frame-pointer",
+        ],
+    );
+    let split = dir.join("split");
+    std::fs::create_dir_all(&split).unwrap();
+    for name in ["leaks", "deep", "nounwind"] {
+        let stripped = dir.join(format!("stripped-{name}"));
+        build(
+            Command::new("strip")
+                .arg("-s")
+                .arg("-o")
+                .arg(&stripped)
+                .arg(dir.join(name)),
+        );
+        let debug = split.join(format!("{name}.debug"));
+        build(
+            Command::new("objcopy")
+                .arg("--only-keep-debug")
+                .arg(dir.join(name))
+                .arg(&debug),
+        );
+        build(
+            Command::new("objcopy")
+                .arg(format!("--add-gnu-debuglink={}", debug.display()))
+                .arg(&stripped)
+                .arg(split.join(name)),
+        );
+    }
+    compile(variant, &["nolibc.c"], &dir.join("nolibc"), &["-nostdlib"]);
+    build(Command::new("strip").arg("-s").arg(dir.join("nolibc")));
 }
 
 /// The path of a tracee, building the variant's tracees on first use.
