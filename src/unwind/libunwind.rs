@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use gimli::{BaseAddresses, CieOrFde, EhFrame, LittleEndian, UnwindSection};
 
+use super::debug_frame::to_eh_frame;
 use super::{MappedImage, StackSample, Unwinder};
 use crate::os::libunwind::{CfiTable, Libunwind};
 use crate::os::ptrace::Regs;
@@ -32,6 +33,9 @@ impl Unwinder for LibunwindUnwinder {
         // Every image, .eh_frame_hdr or not: see os::libunwind on why
         // libunwind-ptrace's own lookup cannot be used.
         if let Some(table) = cfi_table(mapped) {
+            self.inner.add_table(table);
+        }
+        if let Some(table) = debug_frame_table(&mut self.inner, mapped) {
             self.inner.add_table(table);
         }
     }
@@ -83,5 +87,33 @@ fn cfi_table(mapped: &MappedImage) -> Option<CfiTable> {
         end: mapped.range.end,
         segbase,
         entries,
+        section: None,
+    })
+}
+
+/// A table for the image's `.debug_frame`, rewritten as `.eh_frame` and
+/// served from memptrace's memory (see os::libunwind).
+fn debug_frame_table(lu: &mut Libunwind, mapped: &MappedImage) -> Option<CfiTable> {
+    // libunwind compares the FDEs' addresses with runtime addresses.
+    let converted = to_eh_frame(&mapped.image.debug_frame.as_ref()?.data, mapped.bias.0);
+    if converted.fdes.is_empty() {
+        return None;
+    }
+    let start = mapped.range.start;
+    let mut entries: Vec<(i32, i32)> = converted
+        .fdes
+        .iter()
+        .filter_map(|&(avma, offset)| {
+            let rel = i32::try_from(avma.checked_sub(start)?).ok()?;
+            Some((rel, i32::try_from(offset).ok()?))
+        })
+        .collect();
+    entries.sort_unstable();
+    Some(CfiTable {
+        start,
+        end: mapped.range.end,
+        segbase: lu.synthetic_segbase(start),
+        entries,
+        section: Some(converted.data),
     })
 }

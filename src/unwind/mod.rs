@@ -10,6 +10,7 @@
 //! address. [`intern`] turns return addresses into ids of the stack trie, and
 //! [`pipeline`] is the thread that does both.
 
+pub mod debug_frame;
 pub mod framehop;
 pub mod intern;
 pub mod libunwind;

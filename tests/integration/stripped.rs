@@ -139,3 +139,33 @@ fn stripped_static_binaries_with_a_debug_file() {
         }
     }
 }
+
+/// Built without unwind tables and without frame pointers: the CFI is only
+/// in `.debug_frame`, the binary's own or, stripped, its debug file's. Both
+/// unwinders give the whole chain.
+#[test]
+fn stacks_from_debug_frame() {
+    for variant in STATIC {
+        for path in ["nounwind", "split/nounwind"] {
+            for unwinder in ["framehop", "libunwind"] {
+                let program = tracee(variant, "leaks").with_file_name(path);
+                let t = trace_program(&program, &[], &["--unwinder", unwinder]);
+                t.assert_sound();
+                t.assert_truth();
+                let stacks = t.stacks_from("deep_inner", "malloc");
+                assert_eq!(stacks.len(), 1, "{variant:?} {path} {unwinder}");
+                let functions = t.stack_functions(stacks[0]);
+                assert_eq!(
+                    functions[..4],
+                    ["deep_inner", "deep_middle", "deep_outer", "main"],
+                    "{variant:?} {path} {unwinder}: {functions:?}"
+                );
+                let recurse = t.stack_functions(t.stacks_from("deep_recurse", "malloc")[0]);
+                assert!(
+                    recurse[..20].iter().all(|f| f == "deep_recurse") && recurse[20] == "main",
+                    "{variant:?} {path} {unwinder}: {recurse:?}"
+                );
+            }
+        }
+    }
+}
