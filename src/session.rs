@@ -293,6 +293,7 @@ impl Recording {
             ("events", result.events.to_string()),
             ("images", stats.images.to_string()),
             ("housekeeping_frees", result.housekeeping_frees.to_string()),
+            ("truncated_stacks", result.truncated_stacks.to_string()),
             ("nested_calls", stats.nested_calls.to_string()),
             ("lost_returns", stats.lost_returns.to_string()),
             ("copy_faults", stats.copy_faults.to_string()),

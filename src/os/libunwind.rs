@@ -37,6 +37,9 @@ use unwind_sys::{
 
 use super::ptrace::{Regs, Tid};
 
+/// libunwind-x86_64.h: UNW_X86_64_RBP.
+const UNW_X86_64_RBP: libc::c_int = 6;
+
 /// A binary-search table in .eh_frame_hdr's format (`(start_ip, fde)` pairs of
 /// 32-bit offsets from `segbase`), for an image without .eh_frame_hdr.
 #[derive(Clone, Debug)]
@@ -210,13 +213,22 @@ impl Libunwind {
 
     /// Unwind the stopped thread `tid` from the caller state in `caller`
     /// (rip = a return address), appending up to `max` return addresses.
-    pub fn unwind(&mut self, tid: Tid, caller: &Regs, out: &mut Vec<u64>, max: usize) {
+    /// Some(true) at the outermost frame (a zero return address or frame
+    /// pointer) or `max`, Some(false) when a step failed, None when
+    /// libunwind ended the walk with the frame pointer still set.
+    pub fn unwind(
+        &mut self,
+        tid: Tid,
+        caller: &Regs,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> Option<bool> {
         let upt = *self.upt.entry(tid).or_insert_with(|| {
             // SAFETY: plain allocation of libunwind's per-thread state.
             unsafe { _UPT_create(tid) }
         });
         if upt.is_null() {
-            return;
+            return Some(false);
         }
         let mut ctx = CallContext {
             upt,
@@ -229,7 +241,7 @@ impl Libunwind {
         // outlives every accessor call made through the cursor.
         unsafe {
             if unw_init_remote(cursor.as_mut_ptr(), self.space, arg) < 0 {
-                return;
+                return Some(false);
             }
             let cursor = cursor.assume_init_mut();
             while out.len() < max {
@@ -237,15 +249,25 @@ impl Libunwind {
                 // Past the outermost frame its frame-pointer fallback can
                 // produce garbage: no user-space code lies at or above 2^56
                 // (the limit with 5-level paging).
-                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip == 0 || ip >= 1 << 56 {
-                    break;
+                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip >= 1 << 56 {
+                    return Some(false);
+                }
+                if ip == 0 {
+                    return Some(true);
                 }
                 out.push(ip);
-                if unw_step(cursor) <= 0 {
-                    break;
+                match unw_step(cursor) {
+                    0 => {
+                        let mut bp: unw_word_t = 0;
+                        let read = unw_get_reg(cursor, UNW_X86_64_RBP, &mut bp);
+                        return (read == 0 && bp == 0).then_some(true);
+                    }
+                    n if n < 0 => return Some(false),
+                    _ => {}
                 }
             }
         }
+        Some(true)
     }
 }
 

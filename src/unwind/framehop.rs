@@ -12,7 +12,7 @@ use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _};
 
 use super::debug_frame::{eh_frame_end, to_eh_frame};
-use super::{MappedImage, StackSample, Unwinder};
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 
 pub struct FramehopUnwinder {
     unwinder: UnwinderX86_64<Arc<[u8]>>,
@@ -85,9 +85,15 @@ impl Unwinder for FramehopUnwinder {
         }
     }
 
-    fn unwind(&mut self, _tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
+    fn unwind(
+        &mut self,
+        _tid: i32,
+        sample: &StackSample,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> WalkEnd {
         if max == 0 || sample.ip == 0 {
-            return;
+            return WalkEnd::Outermost;
         }
         let mut regs = UnwindRegsX86_64::new(sample.ip, sample.sp, sample.bp);
         let mut read = |addr: u64| sample.read_u64(addr).ok_or(());
@@ -97,15 +103,19 @@ impl Unwinder for FramehopUnwinder {
             out.push(ip);
             taken += 1;
             let Some(address) = FrameAddress::from_return_address(ip) else {
-                break;
+                return WalkEnd::Failed;
             };
             match self
                 .unwinder
                 .unwind_frame(address, &mut regs, &mut self.cache, &mut read)
             {
                 Ok(Some(next)) if next != 0 => ip = next,
-                _ => break,
+                // The outermost frame (a zero frame pointer or return
+                // address, or CFI that says there is no caller).
+                Ok(_) => return WalkEnd::Outermost,
+                Err(_) => return WalkEnd::Failed,
             }
         }
+        WalkEnd::Outermost
     }
 }

@@ -7,7 +7,7 @@ use std::ops::Range;
 use gimli::{BaseAddresses, CieOrFde, EhFrame, LittleEndian, UnwindSection};
 
 use super::debug_frame::to_eh_frame;
-use super::{MappedImage, StackSample, Unwinder};
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::os::libunwind::{CfiTable, Libunwind};
 use crate::os::ptrace::Regs;
 
@@ -44,13 +44,23 @@ impl Unwinder for LibunwindUnwinder {
         self.inner.forget(range.start, range.end);
     }
 
-    fn unwind(&mut self, tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
+    fn unwind(
+        &mut self,
+        tid: i32,
+        sample: &StackSample,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> WalkEnd {
         // SAFETY: user_regs_struct is plain integers; zero is a valid value.
         let mut regs: Regs = unsafe { std::mem::zeroed() };
         regs.rip = sample.ip;
         regs.rsp = sample.sp;
         regs.rbp = sample.bp;
-        self.inner.unwind(tid, &regs, out, max);
+        match self.inner.unwind(tid, &regs, out, max) {
+            Some(true) => WalkEnd::Outermost,
+            Some(false) => WalkEnd::Failed,
+            None => WalkEnd::Stopped,
+        }
     }
 }
 

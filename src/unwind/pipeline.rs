@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 
 use super::framehop::FramehopUnwinder;
 use super::intern::Interner;
-use super::{MappedImage, StackSample, Unwinder};
+use super::vet::{Trust, vet};
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
 use crate::event::Event;
 use crate::sink::{FrameRecord, ModuleRecord, Record, RecordSender, SinkError};
@@ -33,8 +34,9 @@ pub enum CallStack {
     CallerOnly(u64),
     /// A copy to unwind here.
     Sample(StackSample),
-    /// Already unwound on the tracer thread (libunwind).
-    Unwound(Vec<u64>),
+    /// Already unwound on the tracer thread (libunwind), and why the walk
+    /// ended.
+    Unwound { ips: Vec<u64>, end: WalkEnd },
 }
 
 /// What the tracer sends the pipeline, in the order things happened.
@@ -66,6 +68,10 @@ pub struct PipelineResult {
     pub events: u64,
     pub housekeeping_frees: u64,
     pub stack_nodes: u64,
+    /// Events whose stack ended before its outermost frame: no unwind rule
+    /// for an address, a frame that was not a return address, or the end of
+    /// the stack copy.
+    pub truncated_stacks: u64,
 }
 
 #[derive(Default)]
@@ -92,6 +98,7 @@ struct Pipeline {
     result: PipelineResult,
     out: Vec<Record>,
     ips: Vec<u64>,
+    trust: Vec<Trust>,
     /// `meta` keys written by the pipeline.
     meta_written: std::collections::HashSet<String>,
 }
@@ -125,6 +132,7 @@ impl PipelineHandle {
             result: PipelineResult::default(),
             out: Vec::new(),
             ips: Vec::with_capacity(max_depth),
+            trust: Vec::with_capacity(max_depth),
             meta_written: Default::default(),
         };
         let thread = std::thread::Builder::new()
@@ -239,16 +247,18 @@ impl Pipeline {
         } = call;
         let pid = event.pid;
         self.ips.clear();
+        let mut end = WalkEnd::Outermost;
         let caller = match stack {
             CallStack::CallerOnly(ip) => ip,
-            CallStack::Unwound(ips) => {
+            CallStack::Unwound { ips, end: e } => {
                 self.ips = ips;
+                end = e;
                 self.ips.first().copied().unwrap_or(0)
             }
             CallStack::Sample(sample) => {
                 if self.unwind_here {
                     if let Some(process) = self.processes.get_mut(&pid) {
-                        process.unwinder.unwind(
+                        end = process.unwinder.unwind(
                             event.tid as i32,
                             &sample,
                             &mut self.ips,
@@ -259,6 +269,19 @@ impl Pipeline {
                 sample.ip
             }
         };
+        let images = self.processes.get(&pid);
+        let image_at = |ip| images.and_then(|p| p.image_at(ip));
+        let cut = vet(&mut self.ips, &mut self.trust, image_at);
+        // libunwind ends a walk where it finds no rule too: that is the
+        // outermost frame only if CFI says so.
+        let ends_in_cfi = self.ips.last().is_some_and(|&ip| {
+            image_at(ip).is_some_and(|m| {
+                let svma = m.bias.to_svma(Avma(ip.wrapping_sub(1)));
+                m.image.cfi.covers(svma.0)
+            })
+        });
+        let truncated = (cut || end == WalkEnd::Failed || end == WalkEnd::Stopped && !ends_in_cfi)
+            && self.ips.len() < self.max_depth;
         if unmatched_release && self.is_housekeeping(allocator_module, caller) {
             self.result.housekeeping_frees += 1;
             return;
@@ -267,9 +290,14 @@ impl Pipeline {
             if self.ips.is_empty() && caller != 0 {
                 self.ips.push(caller);
             }
+            if truncated && !self.ips.is_empty() {
+                self.result.truncated_stacks += 1;
+            }
             let images = self.processes.get(&pid);
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
-            event.stack_id = self.interner.intern(&self.ips, module_of, &mut self.out);
+            event.stack_id = self
+                .interner
+                .intern(&self.ips, &self.trust, module_of, &mut self.out);
         }
         self.result.events += 1;
         self.out.push(Record::Event(event));

@@ -182,6 +182,32 @@ fn frame_pointer_fallback() {
                 ["nocfi_inner", "nocfi_middle", "nocfi_outer", "main"],
                 "{variant:?} {unwinder}: {functions:?}"
             );
+            // Those frames say how they were found, in stack_text too.
+            let text = stack_text(&t, stacks[0]);
+            let lines: Vec<&str> = text.lines().collect();
+            assert!(!lines[0].contains("[found by"), "{text}");
+            for line in &lines[1..4] {
+                assert!(line.ends_with(" [found by frame pointer]"), "{text}");
+            }
+            let trust: Vec<String> = {
+                let mut stmt =
+                    t.db.prepare(
+                        "WITH RECURSIVE up(id, parent_id, trust, n) AS (
+                             SELECT id, parent_id, trust, 0 FROM stacks WHERE id = ?1
+                             UNION ALL SELECT s.id, s.parent_id, s.trust, n + 1
+                             FROM stacks s JOIN up ON s.id = up.parent_id)
+                         SELECT trust FROM up ORDER BY n LIMIT 4",
+                    )
+                    .unwrap();
+                stmt.query_map([stacks[0]], |r| r.get(0))
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect()
+            };
+            assert_eq!(
+                trust,
+                ["context", "frame pointer", "frame pointer", "frame pointer"]
+            );
         }
     }
 }

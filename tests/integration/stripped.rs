@@ -169,3 +169,37 @@ fn stacks_from_debug_frame() {
         }
     }
 }
+
+/// No CFI at all and no frame pointers (`nounwind` stripped of its
+/// `.debug_frame`, no debug file): the stack ends at the caller of the
+/// allocator, counted as truncated, instead of going on with whatever the
+/// frame-pointer register held (argv bytes, in busybox).
+#[test]
+fn no_rule_no_invented_frame() {
+    for variant in STATIC {
+        for unwinder in ["framehop", "libunwind"] {
+            let program = tracee(variant, "leaks").with_file_name("stripped-nounwind");
+            let t = trace_program(&program, &[], &["--unwinder", unwinder]);
+            t.assert_sound();
+            name_from(&t, &tracee(variant, "nounwind"));
+            t.assert_truth();
+            let truncated: i64 = t.meta("truncated_stacks").unwrap().parse().unwrap();
+            assert!(truncated > 0, "{variant:?} {unwinder}");
+            for stack in t.stacks_from("deep_inner", "malloc") {
+                let functions = t.stack_functions(stack);
+                assert_eq!(functions[0], "deep_inner", "{variant:?} {unwinder}");
+                // Any frame after it was found by the frame-pointer register
+                // and says so; it is a real function of the program.
+                let marked = t.int(&format!(
+                    "WITH RECURSIVE up(id, parent_id, trust) AS (
+                         SELECT id, parent_id, trust FROM stacks WHERE id = {stack}
+                         UNION ALL SELECT s.id, s.parent_id, s.trust
+                         FROM stacks s JOIN up ON s.id = up.parent_id)
+                     SELECT count(*) FROM up WHERE trust NOT IN ('context', 'frame pointer')"
+                ));
+                assert_eq!(marked, 0, "{variant:?} {unwinder}: {functions:?}");
+                assert!(!functions.iter().any(|f| f == "?"), "{functions:?}");
+            }
+        }
+    }
+}

@@ -113,7 +113,8 @@ fn build_variant(variant: Variant) -> PathBuf {
     for name in TRACEES {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
-    // No unwind tables, frame pointers: the unwinders' fallback.
+    // No unwind tables, frame pointers: the unwinders' fallback. Without
+    // its .debug_frame too, which would describe the code (-g).
     compile(
         variant,
         &["nocfi.c"],
@@ -123,6 +124,11 @@ fn build_variant(variant: Variant) -> PathBuf {
             "-fno-unwind-tables",
             "-fno-omit-frame-pointer",
         ],
+    );
+    build(
+        Command::new("objcopy")
+            .arg("--remove-section=.debug_frame")
+            .arg(dir.join("nocfi")),
     );
     match variant {
         Variant::Dynamic => {
@@ -604,6 +610,17 @@ impl Trace {
         let unknown = self
             .int("SELECT count(*) FROM events WHERE op = 'free' AND ptr <> 0 AND alloc_id IS NULL");
         assert_eq!(unknown, 0, "frees of blocks never seen allocated");
+        // Never an invented frame: every frame after the first is in an
+        // image (memptrace checked it is just after a call there).
+        let outside = self.int(
+            "SELECT count(*) FROM stacks s JOIN frames f ON f.id = s.frame_id
+             WHERE f.module_id IS NULL AND s.trust <> 'context'",
+        );
+        assert_eq!(outside, 0, "frames outside every image");
+        assert!(
+            self.meta("truncated_stacks").is_some(),
+            "meta has no truncated_stacks"
+        );
     }
 
     pub fn truth(&self) -> Vec<Calls> {
