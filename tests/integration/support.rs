@@ -728,6 +728,24 @@ impl Trace {
             .collect()
     }
 
+    /// How each frame of a stack was found (`stacks.trust`), innermost first.
+    pub fn stack_trust(&self, stack_id: i64) -> Vec<String> {
+        let mut stmt = self
+            .db
+            .prepare(
+                "WITH RECURSIVE up(id, parent_id, trust, n) AS (
+                     SELECT id, parent_id, trust, 0 FROM stacks WHERE id = ?1
+                     UNION ALL SELECT s.id, s.parent_id, s.trust, n + 1
+                     FROM stacks s JOIN up ON s.id = up.parent_id)
+                 SELECT trust FROM up ORDER BY n",
+            )
+            .unwrap();
+        stmt.query_map([stack_id], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
     /// Stacks of the events whose innermost frame is `function`.
     pub fn stacks_from(&self, function: &str, op: &str) -> Vec<i64> {
         let mut stmt = self
