@@ -58,7 +58,7 @@ pub enum Error {
     )]
     AttachDenied { pid: i32, source: io::Error },
     #[error(
-        "process {0}: no allocator symbol (malloc, free, ...) in any of its images (a stripped static binary?); nothing to trace, the process was left as it was"
+        "process {0}: no allocator (malloc, free, ...) found in any of its images (no symbol, no debug file, no C library signature matched); nothing to trace, the process was left as it was"
     )]
     NoAllocatorInProcess(i32),
 

@@ -30,16 +30,17 @@ pub fn load(path: &str, bytes: &[u8]) -> Result<ElfImage, ElfError> {
         path,
         bytes,
         &[PathBuf::from(DEFAULT_DEBUG_ROOT)],
-        shipped_and_machine(),
+        shipped_and_machine,
     )
 }
 
-/// [`load`] with the debug roots and signature sets given.
-pub fn load_with(
+/// [`load`] with the debug roots and signature sets given (the sets are
+/// asked for only when needed: reading them costs tens of milliseconds).
+pub fn load_with<'a>(
     path: &str,
     bytes: &[u8],
     roots: &[PathBuf],
-    libraries: &[Library],
+    libraries: impl FnOnce() -> &'a [Library],
 ) -> Result<ElfImage, ElfError> {
     let mut image = ElfImage::parse(path, bytes)?;
     let wants_symbols = image.allocators.is_empty() && image.is_static_exe;
@@ -47,7 +48,7 @@ pub fn load_with(
         from_debug_file(&mut image, path, roots, wants_symbols);
     }
     if image.allocators.is_empty() && image.is_static_exe {
-        from_signatures(&mut image, libraries);
+        from_signatures(&mut image, libraries());
     }
     Ok(image)
 }
@@ -138,7 +139,7 @@ mod tests {
         let path = "/bin/busybox";
         let bytes = std::fs::read(path).expect("busybox-static (scripts/deps installs it)");
         let libs = signatures::libraries();
-        let image = load_with(path, &bytes, &[], &libs).unwrap();
+        let image = load_with(path, &bytes, &[], || &libs).unwrap();
         assert!(!image.has_symtab);
         let ops: Vec<Op> = image
             .allocators

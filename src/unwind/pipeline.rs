@@ -99,6 +99,8 @@ struct Pipeline {
     out: Vec<Record>,
     ips: Vec<u64>,
     trust: Vec<Trust>,
+    /// Frames found to be return addresses (see [`vet`]).
+    known: std::collections::HashSet<(u64, u64)>,
     /// `meta` keys written by the pipeline.
     meta_written: std::collections::HashSet<String>,
 }
@@ -133,6 +135,7 @@ impl PipelineHandle {
             out: Vec::new(),
             ips: Vec::with_capacity(max_depth),
             trust: Vec::with_capacity(max_depth),
+            known: Default::default(),
             meta_written: Default::default(),
         };
         let thread = std::thread::Builder::new()
@@ -271,7 +274,7 @@ impl Pipeline {
         };
         let images = self.processes.get(&pid);
         let image_at = |ip| images.and_then(|p| p.image_at(ip));
-        let cut = vet(&mut self.ips, &mut self.trust, image_at);
+        let cut = vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
         // libunwind ends a walk where it finds no rule too: that is the
         // outermost frame only if CFI says so.
         let ends_in_cfi = self.ips.last().is_some_and(|&ip| {

@@ -13,6 +13,8 @@
 //! (breakpad: "found by call frame info", "found by previous frame's frame
 //! pointer").
 
+use std::collections::HashSet;
+
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 
 use super::MappedImage;
@@ -25,10 +27,13 @@ const SIGRETURN: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05
 
 /// Check `ips` (innermost first) against the images (`image_at`): cut it at
 /// the first frame that is not a return address, and fill `trust` with how
-/// each frame left was found. Returns true when frames were cut.
+/// each frame left was found. Returns true when frames were cut. `known`
+/// holds the `(module, address)` pairs already found to be return
+/// addresses: a program's stacks repeat, and decoding is the cost here.
 pub fn vet<'a>(
     ips: &mut Vec<u64>,
     trust: &mut Vec<Trust>,
+    known: &mut HashSet<(u64, u64)>,
     image_at: impl Fn(u64) -> Option<&'a MappedImage>,
 ) -> bool {
     trust.clear();
@@ -37,9 +42,14 @@ pub fn vet<'a>(
     }
     trust.push(Trust::Context);
     for i in 1..ips.len() {
-        if !is_return_address(ips[i], image_at(ips[i])) {
-            ips.truncate(i);
-            return true;
+        let image = image_at(ips[i]);
+        let key = (image.map_or(u64::MAX, |m| m.module_id), ips[i]);
+        if !known.contains(&key) {
+            if !is_return_address(ips[i], image) {
+                ips.truncate(i);
+                return true;
+            }
+            known.insert(key);
         }
         // The callee's code: the call instruction before its return address.
         let callee = ips[i - 1];
