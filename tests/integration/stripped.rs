@@ -10,7 +10,7 @@ use memptrace::symbols::symbolize::Symbolizer;
 
 use crate::support::{Trace, Variant, trace_program, tracee};
 
-const STATIC: [Variant; 2] = [Variant::Static, Variant::Musl];
+const STATIC: [Variant; 3] = [Variant::Static, Variant::StaticPie, Variant::Musl];
 
 fn trace_path(variant: Variant, path: &str, args: &[&str]) -> Trace {
     let program = tracee(variant, "leaks").with_file_name(path);

@@ -157,8 +157,7 @@ fn build_variant(variant: Variant) -> PathBuf {
             );
             compile(variant, &["noptrace.c"], &dir.join("noptrace"), &[]);
         }
-        Variant::Static | Variant::Musl => stripped_builds(variant, &dir),
-        _ => {}
+        Variant::Static | Variant::StaticPie | Variant::Musl => stripped_builds(variant, &dir),
     }
     dir
 }
