@@ -33,7 +33,7 @@ pub fn members(bytes: &[u8]) -> Result<Vec<Member<'_>>, String> {
             .map_err(|_| format!("bad member size at offset {at}"))?;
         let start = at + HEADER;
         let data = bytes
-            .get(start..start + size)
+            .get(start..start.saturating_add(size))
             .ok_or_else(|| format!("member at offset {at} runs past the end"))?;
         let raw = field(0..16);
         if raw == "//" {

@@ -147,7 +147,8 @@ fn definitions(objects: &[Option<Elf>]) -> Vec<Def> {
 fn function(elf: &Elf, bytes: &[u8], def: &Def) -> Option<Function> {
     let sh = elf.section_headers.get(def.section)?;
     let start = sh.sh_offset.checked_add(def.offset)? as usize;
-    let mut code = bytes.get(start..start + def.size as usize)?.to_vec();
+    let end = start.checked_add(usize::try_from(def.size).ok()?)?;
+    let mut code = bytes.get(start..end)?.to_vec();
     let mut mask = vec![0xffu8; code.len()];
     let mut refs = Vec::new();
     let len = code.len() as i64;
@@ -162,7 +163,7 @@ fn function(elf: &Elf, bytes: &[u8], def: &Def) -> Option<Function> {
             continue;
         }
         for r in relocs.iter() {
-            if r.r_offset < def.offset || r.r_offset >= def.offset + def.size {
+            if r.r_offset < def.offset || r.r_offset - def.offset >= def.size {
                 continue;
             }
             let at = (r.r_offset - def.offset) as i64;
@@ -177,7 +178,9 @@ fn function(elf: &Elf, bytes: &[u8], def: &Def) -> Option<Function> {
                     let local = t.st_bind() == sym::STB_LOCAL || t.st_bind() == sym::STB_GLOBAL;
                     if t.st_shndx == def.section && local && at + 4 <= len {
                         // The section is copied whole: the distance is fixed.
-                        let value = t.st_value as i64 + addend - r.r_offset as i64;
+                        let value = (t.st_value as i64)
+                            .wrapping_add(addend)
+                            .wrapping_sub(r.r_offset as i64);
                         code[at as usize..at as usize + 4]
                             .copy_from_slice(&(value as i32).to_le_bytes());
                         continue;
@@ -276,6 +279,18 @@ mod tests {
     fn read(path: &str) -> Library {
         let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e} (scripts/deps)"));
         from_archive(&bytes, Path::new(path)).unwrap()
+    }
+
+    #[test]
+    fn refuses_what_is_not_a_libc_archive() {
+        let path = Path::new("x.a");
+        assert!(from_archive(b"not an archive", path).is_err());
+        assert!(from_archive(b"!<arch>\n", path).is_err());
+        // A member cut short, and one that is no object file.
+        let mut ar = b"!<arch>\n".to_vec();
+        ar.extend(format!("{:<16}{:<32}{:<10}`\n", "x.o/", "", 10).as_bytes());
+        ar.extend(b"\x7fELF\x02\x01\x01");
+        assert!(from_archive(&ar, path).is_err());
     }
 
     #[test]

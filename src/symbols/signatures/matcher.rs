@@ -182,15 +182,14 @@ impl State<'_> {
 
     /// The address a reference of the function placed at `at` holds.
     fn reference_at(&self, at: u64, r: &super::Ref) -> Option<u64> {
-        let place = at + r.offset as u64;
-        let seg = self
-            .segments
-            .iter()
-            .find(|s| place >= s.svma && place + 4 <= s.svma + s.bytes.len() as u64)?;
+        let place = at.checked_add(r.offset as u64)?;
+        let seg = self.segments.iter().find(|s| {
+            place >= s.svma && place.saturating_add(4) <= s.svma + s.bytes.len() as u64
+        })?;
         let o = (place - seg.svma) as usize;
         let value = i32::from_le_bytes(seg.bytes[o..o + 4].try_into().ok()?) as i64;
         // value = target + addend - place
-        Some((place as i64 + value - r.addend) as u64)
+        Some((place as i64).wrapping_add(value).wrapping_sub(r.addend) as u64)
     }
 
     /// The address of the function named `name`: of its strong definition
