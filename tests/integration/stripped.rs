@@ -63,17 +63,6 @@ fn found_by(t: &Trace, program: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn assert_deep_chain(t: &Trace, variant: Variant) {
-    let stacks = t.stacks_from("deep_inner", "malloc");
-    assert_eq!(stacks.len(), 1, "{variant:?}: {stacks:?}");
-    let functions = t.stack_functions(stacks[0]);
-    assert_eq!(
-        functions[..4],
-        ["deep_inner", "deep_middle", "deep_outer", "main"],
-        "{variant:?}: {functions:?}"
-    );
-}
-
 /// `strip -s`: no symbol, no debug file; the allocator is found by its
 /// code, and every call is recorded as from the unstripped build.
 #[test]
@@ -113,7 +102,7 @@ fn stripped_static_binaries_by_signature() {
             name_from(&t, &tracee(variant, unstripped));
             t.assert_truth();
             if unstripped == "deep" {
-                assert_deep_chain(&t, variant);
+                t.assert_deep_stacks(&format!("{variant:?} {name}"));
             }
         }
     }
@@ -134,7 +123,7 @@ fn stripped_static_binaries_with_a_debug_file() {
             );
             t.assert_truth();
             if name == "deep" {
-                assert_deep_chain(&t, variant);
+                t.assert_deep_stacks(&format!("{variant:?} {name}"));
             }
         }
     }
@@ -152,19 +141,7 @@ fn stacks_from_debug_frame() {
                 let t = trace_program(&program, &[], &["--unwinder", unwinder]);
                 t.assert_sound();
                 t.assert_truth();
-                let stacks = t.stacks_from("deep_inner", "malloc");
-                assert_eq!(stacks.len(), 1, "{variant:?} {path} {unwinder}");
-                let functions = t.stack_functions(stacks[0]);
-                assert_eq!(
-                    functions[..4],
-                    ["deep_inner", "deep_middle", "deep_outer", "main"],
-                    "{variant:?} {path} {unwinder}: {functions:?}"
-                );
-                let recurse = t.stack_functions(t.stacks_from("deep_recurse", "malloc")[0]);
-                assert!(
-                    recurse[..20].iter().all(|f| f == "deep_recurse") && recurse[20] == "main",
-                    "{variant:?} {path} {unwinder}: {recurse:?}"
-                );
+                t.assert_deep_stacks(&format!("{variant:?} {path} {unwinder}"));
             }
         }
     }

@@ -727,6 +727,39 @@ impl Trace {
             .collect()
     }
 
+    /// The stacks of tracee-tests/deep.c, function by function: the chain
+    /// `deep_inner ← deep_middle ← deep_outer ← main`, twenty frames of
+    /// `deep_recurse` then `main`, and `deep_release ← main`. `what` names
+    /// the trace in failures.
+    pub fn assert_deep_stacks(&self, what: &str) {
+        let stacks = self.stacks_from("deep_inner", "malloc");
+        assert_eq!(
+            stacks.len(),
+            1,
+            "{what}: one call site, one stack: {stacks:?}"
+        );
+        let functions = self.stack_functions(stacks[0]);
+        assert_eq!(
+            functions[..4],
+            ["deep_inner", "deep_middle", "deep_outer", "main"],
+            "{what}: {functions:?}"
+        );
+        let stacks = self.stacks_from("deep_recurse", "malloc");
+        assert_eq!(stacks.len(), 1, "{what}");
+        let functions = self.stack_functions(stacks[0]);
+        assert!(
+            functions[..20].iter().all(|f| f == "deep_recurse") && functions[20] == "main",
+            "{what}: {functions:?}"
+        );
+        for stack in self.stacks_from("deep_release", "free") {
+            assert_eq!(
+                self.stack_functions(stack)[..2],
+                ["deep_release", "main"],
+                "{what}"
+            );
+        }
+    }
+
     /// How each frame of a stack was found (`stacks.trust`), innermost first.
     pub fn stack_trust(&self, stack_id: i64) -> Vec<String> {
         let mut stmt = self
