@@ -7,6 +7,8 @@
 //! cargo run --example signatures -- libc.a --find /bin/busybox   # what it finds there
 //! ```
 
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -32,12 +34,12 @@ fn main() -> ExitCode {
     match args.get(1).map(String::as_str) {
         Some("--label") => {
             lib.label = args.get(2).cloned().unwrap_or_default();
-            print!("{}", lib.to_text());
+            let _ = std::io::stdout().write_all(lib.to_text().as_bytes());
             ExitCode::SUCCESS
         }
         Some("--find") => find(&lib, args.get(2).map(String::as_str).unwrap_or("")),
         _ => {
-            print!("{}", lib.to_text());
+            let _ = std::io::stdout().write_all(lib.to_text().as_bytes());
             ExitCode::SUCCESS
         }
     }
@@ -55,12 +57,15 @@ fn find(lib: &Library, binary: &str) -> ExitCode {
     let segments = image.code_segments();
     let start = std::time::Instant::now();
     let m = matcher::find(lib, &segments);
-    println!("{}: {:?}", lib.label, start.elapsed());
+    let elapsed = start.elapsed();
+    let mut out = String::new();
+    let _ = writeln!(out, "{}: {elapsed:?}", lib.label);
     for (name, at) in &m.identified {
-        println!("  found {name} at {at:#x}");
+        let _ = writeln!(out, "  found {name} at {at:#x}");
     }
     for h in &m.hooks {
-        println!(
+        let _ = writeln!(
+            out,
             "  hook {} at {:#x} ({}{})",
             h.op,
             h.svma,
@@ -71,6 +76,13 @@ fn find(lib: &Library, binary: &str) -> ExitCode {
                 .unwrap_or_default()
         );
     }
-    println!("  {} of {} functions found", m.identified.len(), m.searched);
+    let _ = writeln!(
+        out,
+        "  {} of {} functions found",
+        m.identified.len(),
+        m.searched
+    );
+    // A closed pipe (`| head`) is no error worth a panic.
+    let _ = std::io::stdout().write_all(out.as_bytes());
     ExitCode::SUCCESS
 }
