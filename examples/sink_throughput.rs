@@ -80,6 +80,7 @@ fn stack_records(rng: &mut Rng) -> (Vec<Record>, Vec<u64>) {
             parent_id: parent,
             frame_id: next_frame,
             depth,
+            trust: memptrace::sink::Trust::Cfi,
         }));
         parent = Some(next_node);
         spine.push(next_node);
@@ -100,6 +101,7 @@ fn stack_records(rng: &mut Rng) -> (Vec<Record>, Vec<u64>) {
                 parent_id: Some(parent),
                 frame_id: next_frame,
                 depth: d,
+                trust: memptrace::sink::Trust::Cfi,
             }));
             parent = next_node;
             next_node += 1;

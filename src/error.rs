@@ -22,10 +22,10 @@ pub enum Error {
     #[error("{}: {reason}", path.display())]
     WrongMachine { path: PathBuf, reason: String },
     #[error(
-        "{}: statically linked with no allocator symbol (malloc, free, ...) to hook: it was stripped; trace an unstripped build, or keep symbols with `strip --strip-debug` instead of `strip -s`",
-        .0.display()
+        "{}: statically linked and stripped, and its allocator (malloc, free, ...) was not found: no symbol, no debug file, and its code matches none of the C libraries tried ({tried}); trace an unstripped build, put its debug file beside it, or install the libc.a it was linked with",
+        path.display()
     )]
-    NoAllocator(PathBuf),
+    NoAllocator { path: PathBuf, tried: String },
     #[error("cannot execute {}: {source}", path.display())]
     Exec { path: PathBuf, source: io::Error },
 
@@ -58,7 +58,7 @@ pub enum Error {
     )]
     AttachDenied { pid: i32, source: io::Error },
     #[error(
-        "process {0}: no allocator symbol (malloc, free, ...) in any of its images (a stripped static binary?); nothing to trace, the process was left as it was"
+        "process {0}: no allocator (malloc, free, ...) found in any of its images (no symbol, no debug file, no C library signature matched); nothing to trace, the process was left as it was"
     )]
     NoAllocatorInProcess(i32),
     #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]

@@ -8,7 +8,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::Error;
-use crate::symbols::elf::{ElfError, ElfImage, check_header};
+use crate::symbols::elf::{ElfError, check_header};
+use crate::symbols::locate;
 
 /// Resolve `name` like execvp: a name with a slash is a path, anything else
 /// is looked up in PATH.
@@ -33,7 +34,8 @@ pub fn resolve(name: &OsStr) -> Result<PathBuf, Error> {
 
 /// Refuse what cannot be traced: not executable, not an x86-64 ELF (a `#!`
 /// script is fine: the kernel runs its interpreter, which memptrace traces),
-/// or a static executable without a single allocator symbol.
+/// or a static executable whose allocator memptrace cannot find (no symbol,
+/// no debug file, and no signature set matches its code).
 pub fn check(path: &Path) -> Result<(), Error> {
     let not_exec = |reason: &str| Error::NotExecutable {
         path: path.to_path_buf(),
@@ -65,10 +67,12 @@ pub fn check(path: &Path) -> Result<(), Error> {
 /// through /proc/PID/exe, which works for deleted files too).
 pub fn check_image(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     check_header(bytes).map_err(|e| elf_error(path, e))?;
-    let image =
-        ElfImage::parse(&path.display().to_string(), bytes).map_err(|e| elf_error(path, e))?;
-    if image.interpreter.is_none() && image.allocators.is_empty() {
-        return Err(Error::NoAllocator(path.to_path_buf()));
+    let image = locate::load(&path.display().to_string(), bytes).map_err(|e| elf_error(path, e))?;
+    if image.is_static_exe && image.allocators.is_empty() {
+        return Err(Error::NoAllocator {
+            path: path.to_path_buf(),
+            tried: image.signature_sets.join("; "),
+        });
     }
     Ok(())
 }

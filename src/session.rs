@@ -295,11 +295,11 @@ impl Recording {
             ("events", result.events.to_string()),
             ("images", stats.images.to_string()),
             ("housekeeping_frees", result.housekeeping_frees.to_string()),
+            ("truncated_stacks", result.truncated_stacks.to_string()),
             ("nested_calls", stats.nested_calls.to_string()),
             ("lost_returns", stats.lost_returns.to_string()),
             ("copy_faults", stats.copy_faults.to_string()),
             ("walk_faults", stats.walk_faults.to_string()),
-            ("truncated_stacks", stats.truncated_stacks.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];

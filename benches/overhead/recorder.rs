@@ -76,6 +76,7 @@ fn read(source: &Path, limit: u64) -> rusqlite::Result<(Vec<Vec<Record>>, u64)> 
             parent_id: get_u64(r, 1)?,
             frame_id: r.get::<_, i64>(2)? as u64,
             depth: r.get(3)?,
+            trust: memptrace::sink::Trust::Cfi,
         }))
     })? {
         head.push(s?);

@@ -13,6 +13,13 @@
 //!    built from .eh_frame for every image; `find_proc_info` searches those with
 //!    libunwind's own `dwarf_search_unwind_table`, and `access_mem` serves the
 //!    table's words from memptrace's memory at an address no process can map.
+//!    An image's `.debug_frame`, rewritten in `.eh_frame`'s format
+//!    (`unwind::debug_frame`), is a second table whose FDEs are served from
+//!    memptrace's memory too: its `segbase` is a non-canonical address whose
+//!    low 32 bits are the image's start, so that libunwind's 32-bit
+//!    `ip - segbase` is the offset into the image and `segbase +
+//!    fde_offset` is the FDE in the copy (Gfind_proc_info-lsb.c,
+//!    `dwarf_search_unwind_table`).
 //!    The list of dynamically registered unwind info (`_U_dyn_info_list`, for
 //!    JITs that register with libunwind) is not consulted.
 
@@ -30,6 +37,9 @@ use unwind_sys::{
 
 use super::ptrace::{Regs, Tid};
 
+/// libunwind-x86_64.h: UNW_X86_64_RBP.
+const UNW_X86_64_RBP: libc::c_int = 6;
+
 /// A binary-search table in .eh_frame_hdr's format (`(start_ip, fde)` pairs of
 /// 32-bit offsets from `segbase`), for an image without .eh_frame_hdr.
 #[derive(Clone, Debug)]
@@ -40,7 +50,14 @@ pub struct CfiTable {
     pub segbase: u64,
     /// Sorted by start offset.
     pub entries: Vec<(i32, i32)>,
+    /// FDEs that are not in the target's memory: served at `segbase`.
+    pub section: Option<Vec<u8>>,
 }
+
+/// Where copies of CFI sections appear to libunwind: above the tables.
+pub const SYNTHETIC_CFI_BASE: u64 = 0x9000_0000_0000_0000;
+/// Room per copy (its segbase carries the image's low 32 bits).
+pub const SYNTHETIC_CFI_STRIDE: u64 = 1 << 36;
 
 /// Where synthetic tables appear to libunwind: non-canonical addresses, which
 /// no x86-64 process can map.
@@ -129,6 +146,7 @@ pub struct Libunwind {
     /// _UPT state per thread; it caches the last ELF image it opened.
     upt: HashMap<Tid, *mut c_void>,
     tables: Vec<CfiTable>,
+    next_synthetic: u64,
 }
 
 // SAFETY: the address space and UPT handles are only used by the thread that
@@ -163,11 +181,19 @@ impl Libunwind {
             _accessors: accessors,
             upt: HashMap::new(),
             tables: Vec::new(),
+            next_synthetic: 0,
         })
     }
 
     pub fn add_table(&mut self, table: CfiTable) {
         self.tables.push(table);
+    }
+
+    /// A `segbase` for a table with its own section, for an image starting
+    /// at `start`: unused by any table so far.
+    pub fn synthetic_segbase(&mut self, start: u64) -> u64 {
+        self.next_synthetic += 1;
+        SYNTHETIC_CFI_BASE + self.next_synthetic * SYNTHETIC_CFI_STRIDE + (start & 0xffff_ffff)
     }
 
     /// Forget what is cached about `range` (an image was unmapped).
@@ -187,13 +213,22 @@ impl Libunwind {
 
     /// Unwind the stopped thread `tid` from the caller state in `caller`
     /// (rip = a return address), appending up to `max` return addresses.
-    pub fn unwind(&mut self, tid: Tid, caller: &Regs, out: &mut Vec<u64>, max: usize) {
+    /// Some(true) at the outermost frame (a zero return address or frame
+    /// pointer) or `max`, Some(false) when a step failed, None when
+    /// libunwind ended the walk with the frame pointer still set.
+    pub fn unwind(
+        &mut self,
+        tid: Tid,
+        caller: &Regs,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> Option<bool> {
         let upt = *self.upt.entry(tid).or_insert_with(|| {
             // SAFETY: plain allocation of libunwind's per-thread state.
             unsafe { _UPT_create(tid) }
         });
         if upt.is_null() {
-            return;
+            return Some(false);
         }
         let mut ctx = CallContext {
             upt,
@@ -206,7 +241,7 @@ impl Libunwind {
         // outlives every accessor call made through the cursor.
         unsafe {
             if unw_init_remote(cursor.as_mut_ptr(), self.space, arg) < 0 {
-                return;
+                return Some(false);
             }
             let cursor = cursor.assume_init_mut();
             while out.len() < max {
@@ -214,15 +249,25 @@ impl Libunwind {
                 // Past the outermost frame its frame-pointer fallback can
                 // produce garbage: no user-space code lies at or above 2^56
                 // (the limit with 5-level paging).
-                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip == 0 || ip >= 1 << 56 {
-                    break;
+                if unw_get_reg(cursor, UNW_REG_IP, &mut ip) < 0 || ip >= 1 << 56 {
+                    return Some(false);
+                }
+                if ip == 0 {
+                    return Some(true);
                 }
                 out.push(ip);
-                if unw_step(cursor) <= 0 {
-                    break;
+                match unw_step(cursor) {
+                    0 => {
+                        let mut bp: unw_word_t = 0;
+                        let read = unw_get_reg(cursor, UNW_X86_64_RBP, &mut bp);
+                        return (read == 0 && bp == 0).then_some(true);
+                    }
+                    n if n < 0 => return Some(false),
+                    _ => {}
                 }
             }
         }
+        Some(true)
     }
 }
 
@@ -252,11 +297,13 @@ unsafe extern "C" fn find_proc_info(
 ) -> c_int {
     // SAFETY: libunwind passes back our own arg.
     let ctx = unsafe { context(arg) };
-    if let Some((i, table)) = ctx
+    // An image may have two tables (.eh_frame, .debug_frame): the first
+    // that knows the address.
+    for (i, table) in ctx
         .tables
         .iter()
         .enumerate()
-        .find(|(_, t)| t.start <= ip && ip < t.end)
+        .filter(|(_, t)| t.start <= ip && ip < t.end)
     {
         let mut di = DynInfo {
             next: std::ptr::null_mut(),
@@ -277,7 +324,11 @@ unsafe extern "C" fn find_proc_info(
             _rest: [0; 2],
         };
         // SAFETY: forwarding libunwind's own pointers with a valid DynInfo.
-        return unsafe { dwarf_search_unwind_table(asp, ip, &mut di, pi, need_unwind_info, arg) };
+        let found =
+            unsafe { dwarf_search_unwind_table(asp, ip, &mut di, pi, need_unwind_info, arg) };
+        if found != -unwind_sys::UNW_ENOINFO {
+            return found;
+        }
     }
     -unwind_sys::UNW_ENOINFO
 }
@@ -301,6 +352,22 @@ unsafe extern "C" fn access_mem(
     let ctx = unsafe { context(arg) };
     if write != 0 {
         return -UNW_EREADONLYREG;
+    }
+    if addr >= SYNTHETIC_CFI_BASE {
+        let section = ctx.tables.iter().find_map(|t| {
+            let data = t.section.as_ref()?;
+            let at = usize::try_from(addr.checked_sub(t.segbase)?).ok()?;
+            (at < data.len()).then_some((data, at))
+        });
+        let Some((data, at)) = section else {
+            return -unwind_sys::UNW_EINVAL;
+        };
+        let mut word = [0u8; 8];
+        let n = (data.len() - at).min(8);
+        word[..n].copy_from_slice(&data[at..at + n]);
+        // SAFETY: libunwind gives a valid out pointer.
+        unsafe { *val = u64::from_le_bytes(word) };
+        return 0;
     }
     if addr >= SYNTHETIC_BASE {
         let index = ((addr - SYNTHETIC_BASE) / SYNTHETIC_STRIDE) as usize;

@@ -81,6 +81,10 @@ pub struct Location {
     pub address: u64,
     /// True when this call was inlined into the next line's function.
     pub inlined: bool,
+    /// How the frame was found, when it is less certain than by CFI:
+    /// `frame pointer` (on the frame's last line; see `stacks.trust`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub found_by: Option<String>,
 }
 
 /// Where an allocation is charged (see the module docs).
@@ -94,6 +98,8 @@ pub enum Owner {
 pub struct StackTable {
     /// Stack node -> (parent, frame).
     nodes: IdMap<i64, (Option<i64>, i64)>,
+    /// Stack nodes whose frame was found by a frame pointer.
+    by_frame_pointer: std::collections::HashSet<i64>,
     frames: IdMap<i64, Frame>,
     pub modules: IdMap<i64, Module>,
     owners: std::cell::RefCell<IdMap<i64, Owner>>,
@@ -118,16 +124,20 @@ impl StackTable {
     pub fn load(trace: &Trace) -> Result<StackTable, ReportError> {
         let err = |e| trace.err(e);
         let mut nodes = IdMap::default();
-        let mut stmt = trace
-            .conn
-            .prepare("SELECT id, parent_id, frame_id FROM stacks")
-            .map_err(err)?;
+        let mut by_frame_pointer = std::collections::HashSet::new();
+        // Traces older than `stacks.trust` have no such column.
+        let sql = match trace.conn.prepare("SELECT trust FROM stacks LIMIT 0") {
+            Ok(_) => "SELECT id, parent_id, frame_id, trust = 'frame pointer' FROM stacks",
+            Err(_) => "SELECT id, parent_id, frame_id, 0 FROM stacks",
+        };
+        let mut stmt = trace.conn.prepare(sql).map_err(err)?;
         let mut rows = stmt.query([]).map_err(err)?;
         while let Some(r) = rows.next().map_err(err)? {
-            nodes.insert(
-                r.get(0).map_err(err)?,
-                (r.get(1).map_err(err)?, r.get(2).map_err(err)?),
-            );
+            let id: i64 = r.get(0).map_err(err)?;
+            nodes.insert(id, (r.get(1).map_err(err)?, r.get(2).map_err(err)?));
+            if r.get::<_, Option<bool>>(3).map_err(err)? == Some(true) {
+                by_frame_pointer.insert(id);
+            }
         }
 
         let mut frames: IdMap<i64, Frame> = IdMap::default();
@@ -198,6 +208,7 @@ impl StackTable {
         }
         let mut table = StackTable {
             nodes,
+            by_frame_pointer,
             frames,
             modules,
             owners: Default::default(),
@@ -291,6 +302,7 @@ impl StackTable {
                 module,
                 address: frame.ip,
                 inlined: false,
+                found_by: None,
             }];
         }
         let last = frame.lines.len() - 1;
@@ -308,6 +320,7 @@ impl StackTable {
                 module: module.clone(),
                 address: frame.ip,
                 inlined: i < last,
+                found_by: None,
             })
             .collect()
     }
@@ -317,13 +330,24 @@ impl StackTable {
         let Some(stack) = stack else {
             return Vec::new();
         };
-        self.frame_ids(stack)
-            .into_iter()
-            .flat_map(|id| match self.frames.get(&id) {
-                Some(frame) => self.frame_locations(frame),
-                None => Vec::new(),
-            })
-            .collect()
+        let mut out = Vec::new();
+        let mut node = Some(stack);
+        while let Some((parent, frame)) = node.and_then(|n| self.nodes.get(&n)) {
+            if let Some(frame) = self.frames.get(frame) {
+                let mut lines = self.frame_locations(frame);
+                if self.by_frame_pointer.contains(&node.unwrap_or_default()) {
+                    if let Some(last) = lines.last_mut() {
+                        last.found_by = Some("frame pointer".to_string());
+                    }
+                }
+                out.extend(lines);
+            }
+            node = *parent;
+            if out.len() > MAX_WALK {
+                break;
+            }
+        }
+        out
     }
 
     /// The function names along a stack, outermost first (inlined calls

@@ -70,6 +70,7 @@ fn node(id: u64, parent_id: Option<u64>, frame_id: u64, depth: u32) -> Record {
         parent_id,
         frame_id,
         depth,
+        trust: crate::sink::Trust::Cfi,
     })
 }
 

@@ -172,7 +172,15 @@ pub fn location(style: Style, l: &Location) -> String {
         _ => String::new(),
     };
     let inlined = if l.inlined { " [inlined]" } else { "" };
-    format!("{}{}", l.function, style.dim(&format!("{place}{inlined}")))
+    let found_by = match &l.found_by {
+        Some(how) => format!(" [found by {how}]"),
+        None => String::new(),
+    };
+    format!(
+        "{}{}",
+        l.function,
+        style.dim(&format!("{place}{inlined}{found_by}"))
+    )
 }
 
 /// The frames of a stack, indented, at most `frames` of them.

@@ -59,6 +59,30 @@ pub struct StackNode {
     pub frame_id: u64,
     /// Number of frames from the outermost frame: the root has depth 0.
     pub depth: u32,
+    /// How the frame was found.
+    pub trust: Trust,
+}
+
+/// How a frame of a stack was found (`stacks.trust`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Trust {
+    /// The return address at the allocator's entry: exact.
+    Context,
+    /// The callee's call frame information (`.eh_frame`, `.debug_frame`).
+    Cfi,
+    /// The callee's frame pointer (`rbp`), where no CFI covers it.
+    FramePointer,
+}
+
+impl Trust {
+    /// As stored in `stacks.trust`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Trust::Context => "context",
+            Trust::Cfi => "cfi",
+            Trust::FramePointer => "frame pointer",
+        }
+    }
 }
 
 /// A source location of a frame. One frame can have several: the function whose

@@ -12,6 +12,9 @@ use goblin::elf::{Elf, header, program_header, reloc, section_header, sym};
 
 use crate::addr::{Avma, LoadBias, Svma};
 use crate::event::Op;
+use crate::symbols::cfi::CfiIndex;
+use crate::symbols::signatures::matcher::Segment;
+pub use crate::symbols::symbolize::DebugLink;
 
 /// Symbol names that denote an allocator entry point. Only the public names:
 /// glibc's `__libc_malloc` and friends are aliases at the same addresses, and
@@ -51,6 +54,45 @@ const DEBUG_STATE: &str = "_dl_debug_state";
 pub struct AllocatorEntry {
     pub svma: Svma,
     pub ops: Vec<Op>,
+    pub found_by: FoundBy,
+}
+
+/// How memptrace knows where an allocator function is (`meta`'s
+/// `allocator.*` rows).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FoundBy {
+    /// The image's own `.symtab` or `.dynsym`.
+    Symbol,
+    /// The symbol table of its separate debug file, at this path.
+    DebugFile(String),
+    /// Its machine code matched a signature set: the library's label, the
+    /// function of the set found here, and the op's own function when the hook
+    /// is on the function it jumps to.
+    Signature {
+        library: String,
+        function: String,
+        via: Option<String>,
+    },
+}
+
+impl std::fmt::Display for FoundBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FoundBy::Symbol => write!(f, "symbol"),
+            FoundBy::DebugFile(path) => write!(f, "debug file {path}"),
+            FoundBy::Signature {
+                library,
+                function,
+                via,
+            } => {
+                write!(f, "signature {function} of {library}")?;
+                match via {
+                    Some(via) => write!(f, " (jumped to by {via})"),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
 }
 
 impl AllocatorEntry {
@@ -84,7 +126,15 @@ pub struct ElfImage {
     pub is_dyn: bool,
     /// PT_INTERP: the program needs a dynamic linker.
     pub interpreter: Option<String>,
+    /// A static executable: no dynamic linker, no library it needs, not a
+    /// library itself (static and static-pie programs).
+    pub is_static_exe: bool,
+    /// `.gnu_debuglink`: the name of its separate debug file.
+    pub debuglink: Option<DebugLink>,
     pub segments: Vec<LoadSegment>,
+    /// The file bytes of the executable segments, by SVMA: to tell a return
+    /// address (just after a call instruction) from a stray code address.
+    pub code: Vec<SectionData>,
     pub allocators: Vec<AllocatorEntry>,
     pub debug_state: Option<Svma>,
     /// Code ranges whose frees of unknown blocks are allocator housekeeping.
@@ -93,7 +143,13 @@ pub struct ElfImage {
     pub text: Option<Range<u64>>,
     pub eh_frame: Option<SectionData>,
     pub eh_frame_hdr: Option<SectionData>,
+    /// `.debug_frame`, the image's own or its debug file's.
     pub debug_frame: Option<SectionData>,
+    /// The code that `.eh_frame` and `.debug_frame` describe.
+    pub cfi: CfiIndex,
+    /// The signature sets its code was matched against, when it had no
+    /// allocator symbol (for the error that none matched).
+    pub signature_sets: Vec<String>,
     pub got: Option<Range<u64>>,
     /// .plt, .plt.sec and .plt.got: stubs that jump through a GOT slot.
     pub plt: Vec<Range<u64>>,
@@ -176,6 +232,28 @@ impl ElfImage {
             build_id: build_id(&elf, bytes),
             is_dyn: elf.header.e_type == header::ET_DYN,
             interpreter: elf.interpreter.map(str::to_string),
+            is_static_exe: elf.interpreter.is_none()
+                && elf.libraries.is_empty()
+                && elf.soname.is_none()
+                && elf.header.e_entry != 0,
+            debuglink: section(".gnu_debuglink")
+                .and_then(|sh| bytes.get(sh.file_range()?))
+                .and_then(crate::symbols::symbolize::parse_debuglink),
+            code: elf
+                .program_headers
+                .iter()
+                .filter(|ph| {
+                    ph.p_type == program_header::PT_LOAD && ph.p_flags & program_header::PF_X != 0
+                })
+                .filter_map(|ph| {
+                    let start = ph.p_offset as usize;
+                    let data = bytes.get(start..start.checked_add(ph.p_filesz as usize)?)?;
+                    Some(SectionData {
+                        svma: ph.p_vaddr..ph.p_vaddr + ph.p_filesz,
+                        data: Arc::from(data),
+                    })
+                })
+                .collect(),
             segments,
             allocators: Vec::new(),
             debug_state: None,
@@ -184,7 +262,9 @@ impl ElfImage {
             text: section_range(".text"),
             eh_frame: section_data(".eh_frame"),
             eh_frame_hdr: section_data(".eh_frame_hdr"),
-            debug_frame: section_data(".debug_frame"),
+            debug_frame: None,
+            cfi: CfiIndex::default(),
+            signature_sets: Vec::new(),
             got: section_range(".got"),
             plt: [".plt", ".plt.sec", ".plt.got"]
                 .iter()
@@ -193,13 +273,21 @@ impl ElfImage {
             got_slots: BTreeMap::new(),
             syscall_insn: None,
         };
-        image.collect_symbols(&elf);
+        if let Some(eh) = &image.eh_frame {
+            let text = image.text.as_ref().map(|t| t.start);
+            image.cfi.add_eh_frame(&eh.data, eh.svma.start, text);
+        }
+        image.set_debug_frame(section_data(".debug_frame"));
+        image.collect_symbols(&elf, &FoundBy::Symbol);
         image.collect_got_slots(&elf);
         image.syscall_insn = find_syscall_insn(&elf, bytes);
         Ok(image)
     }
 
-    fn collect_symbols(&mut self, elf: &Elf) {
+    /// The allocator entry points, housekeeping ranges and linker hook that
+    /// `elf`'s symbol tables name: the image's own, or those of its debug
+    /// file (`found_by`). Entries found before are kept.
+    pub(crate) fn collect_symbols(&mut self, elf: &Elf, found_by: &FoundBy) {
         let mut by_addr: BTreeMap<u64, Vec<Op>> = BTreeMap::new();
         let tables = [(&elf.syms, &elf.strtab), (&elf.dynsyms, &elf.dynstrtab)];
         for (syms, strtab) in tables {
@@ -231,16 +319,61 @@ impl ElfImage {
                 }
             }
         }
-        self.allocators = by_addr
-            .into_iter()
-            .map(|(svma, mut ops)| {
-                ops.sort_by_key(|op| preference(*op));
+        for (svma, ops) in by_addr {
+            self.add_allocator(Svma(svma), &ops, found_by);
+        }
+    }
+
+    /// Record allocator function `ops` at `svma` (merged with an entry
+    /// already there).
+    pub(crate) fn add_allocator(&mut self, svma: Svma, ops: &[Op], found_by: &FoundBy) {
+        let at = self.allocators.partition_point(|a| a.svma.0 < svma.0);
+        if self.allocators.get(at).is_none_or(|a| a.svma != svma) {
+            self.allocators.insert(
+                at,
                 AllocatorEntry {
-                    svma: Svma(svma),
-                    ops,
-                }
+                    svma,
+                    ops: Vec::new(),
+                    found_by: found_by.clone(),
+                },
+            );
+        }
+        let entry = &mut self.allocators[at];
+        for op in ops {
+            if !entry.ops.contains(op) {
+                entry.ops.push(*op);
+            }
+        }
+        entry.ops.sort_by_key(|op| preference(*op));
+    }
+
+    /// Use `section` as the image's `.debug_frame`.
+    pub(crate) fn set_debug_frame(&mut self, section: Option<SectionData>) {
+        if let Some(section) = section.filter(|s| !s.data.is_empty()) {
+            self.cfi.add_debug_frame(&section.data);
+            self.debug_frame = Some(section);
+        }
+    }
+
+    /// True when some stretch of `.text` longer than a few small functions
+    /// has no CFI: code built without unwind tables (`gcc
+    /// -fno-asynchronous-unwind-tables`), whose CFI may be in a debug file.
+    pub fn lacks_cfi(&self) -> bool {
+        const GAP: u64 = 512;
+        self.text
+            .as_ref()
+            .is_some_and(|text| self.cfi.largest_gap(text.clone()) >= GAP)
+    }
+
+    /// The executable segments' bytes, for [`crate::symbols::signatures`].
+    pub fn code_segments(&self) -> Vec<Segment<'_>> {
+        self.code
+            .iter()
+            .map(|s| Segment {
+                svma: s.svma.start,
+                bytes: &s.data,
             })
-            .collect();
+            .collect()
     }
 
     fn collect_got_slots(&mut self, elf: &Elf) {

@@ -1,6 +1,10 @@
 //! What memptrace knows about the code in a process: ELF images and their
-//! allocator entry points ([`elf`]), and source-level names for code addresses
-//! ([`symbolize`]).
+//! allocator entry points ([`elf`], found by [`locate`]: symbols, separate
+//! debug files, or the machine code itself through [`signatures`]), and
+//! source-level names for code addresses ([`symbolize`]).
 
+pub mod cfi;
 pub mod elf;
+pub mod locate;
+pub mod signatures;
 pub mod symbolize;

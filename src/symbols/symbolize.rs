@@ -17,7 +17,7 @@
 //! image load and each lookup also runs under `catch_unwind`: a parser's panic
 //! costs that image's or that address's names, not the trace.
 
-mod debug_file;
+pub(crate) mod debug_file;
 mod objinfo;
 mod symtab;
 #[cfg(test)]
@@ -32,6 +32,8 @@ use addr2line::Loader;
 use addr2line::gimli::DwLang;
 
 use self::debug_file::same_build;
+pub use self::objinfo::DebugLink;
+pub(crate) use self::objinfo::parse_debuglink;
 use self::objinfo::{AltLink, ObjectInfo, read_regular_file};
 use self::symtab::SymbolIndex;
 use crate::sink::SourceLine;
@@ -127,12 +129,7 @@ impl ImageDebug {
             symbols = info.symbols;
         }
         if dwarf_file.is_none() {
-            let debug = build_id
-                .as_deref()
-                .and_then(|id| debug_file::by_build_id(roots, id))
-                .or_else(|| {
-                    debug_file::by_debuglink(path, build_id.as_deref(), debuglink.as_ref()?, roots)
-                });
+            let debug = debug_file::find(path, build_id.as_deref(), debuglink.as_ref(), roots);
             if let Some(debug) = debug {
                 // `objcopy --only-keep-debug` keeps .symtab: the stripped
                 // image's missing symbols are here.

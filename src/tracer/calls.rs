@@ -385,8 +385,8 @@ impl Tracer {
                 ..StackSample::default()
             };
             let mut ips = Vec::new();
-            libunwind.unwind(tid, &sample, &mut ips, self.opts.max_depth);
-            return (ret, CallStack::Unwound(ips));
+            let end = libunwind.unwind(tid, &sample, &mut ips, self.opts.max_depth);
+            return (ret, CallStack::Unwound { ips, end });
         }
         let top = self.stack_top(tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;

@@ -129,8 +129,6 @@ pub struct TraceStats {
     /// How each allocator function was hooked: (`<image>:<function>`,
     /// `jump` or `int3` and why).
     pub probes: Vec<(String, String)>,
-    /// Stacks that ended where no unwind rule covered an address.
-    pub truncated_stacks: u64,
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,

@@ -21,6 +21,7 @@ use super::probes::jump::control::Record;
 use super::probes::jump::layout::record;
 use crate::os::local;
 use crate::os::ptrace::Tid;
+use crate::unwind::WalkEnd;
 use crate::unwind::pipeline::CallStack;
 
 /// How long records wait for a missing sequence number.
@@ -170,9 +171,6 @@ impl Tracer {
         } else {
             r.op
         };
-        if r.flags & record::TRUNCATED != 0 {
-            self.stats.truncated_stacks += 1;
-        }
         let ts_ns = match self.tsc.as_mut() {
             Some(clock) => clock.ns(r.tsc),
             None => self.now_ns(),
@@ -193,7 +191,12 @@ impl Tracer {
             op.takes_block() && r.args[0] != 0 && !self.ledger.is_live(pid as u32, r.args[0]);
         let whole = self.opts.stacks && (unknown_release || self.sampled(pid, caller));
         let stack = if whole {
-            CallStack::Unwound(r.frames)
+            let end = if r.flags & record::TRUNCATED != 0 {
+                WalkEnd::Failed
+            } else {
+                WalkEnd::Outermost
+            };
+            CallStack::Unwound { ips: r.frames, end }
         } else {
             CallStack::CallerOnly(caller)
         };

@@ -1,6 +1,8 @@
 //! framehop over a stack copy: DWARF CFI from each image's .eh_frame (with or
 //! without .eh_frame_hdr, which `gcc -static` binaries lack: framehop indexes
-//! the FDEs itself), frame pointers where no CFI covers an address.
+//! the FDEs itself) and .debug_frame (appended to .eh_frame in its format:
+//! framehop would read .debug_frame only for an image without .eh_frame),
+//! frame pointers where no CFI covers an address.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -9,7 +11,8 @@ use std::sync::Arc;
 use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _};
 
-use super::{MappedImage, StackSample, Unwinder};
+use super::debug_frame::{eh_frame_end, to_eh_frame};
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 
 pub struct FramehopUnwinder {
     unwinder: UnwinderX86_64<Arc<[u8]>>,
@@ -37,7 +40,7 @@ impl FramehopUnwinder {
 impl Unwinder for FramehopUnwinder {
     fn add_image(&mut self, mapped: &MappedImage) {
         let image = &mapped.image;
-        let info = ExplicitModuleSectionInfo {
+        let mut info = ExplicitModuleSectionInfo {
             // ELF: SVMAs are relative to 0; avma = svma + bias.
             base_svma: 0,
             text_svma: image.text.clone(),
@@ -46,9 +49,26 @@ impl Unwinder for FramehopUnwinder {
             eh_frame: image.eh_frame.as_ref().map(|s| s.data.clone()),
             eh_frame_hdr_svma: image.eh_frame_hdr.as_ref().map(|s| s.svma.clone()),
             eh_frame_hdr: image.eh_frame_hdr.as_ref().map(|s| s.data.clone()),
-            debug_frame: image.debug_frame.as_ref().map(|s| s.data.clone()),
             ..Default::default()
         };
+        if let Some(debug_frame) = &image.debug_frame {
+            let converted = to_eh_frame(&debug_frame.data, 0);
+            if !converted.fdes.is_empty() {
+                // The image's own entries keep their place (their pointers
+                // are relative to it); the converted ones are absolute.
+                let (svma, mut data) = match &image.eh_frame {
+                    Some(eh) => (eh.svma.start, eh.data[..eh_frame_end(&eh.data)].to_vec()),
+                    None => (0, Vec::new()),
+                };
+                data.extend(&converted.data);
+                data.extend([0; 4]);
+                info.eh_frame_svma = Some(svma..svma + data.len() as u64);
+                info.eh_frame = Some(Arc::from(data));
+                // Its search table knows only the image's own entries.
+                info.eh_frame_hdr = None;
+                info.eh_frame_hdr_svma = None;
+            }
+        }
         let module = Module::new(
             image.path.clone(),
             mapped.range.clone(),
@@ -65,9 +85,15 @@ impl Unwinder for FramehopUnwinder {
         }
     }
 
-    fn unwind(&mut self, _tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
+    fn unwind(
+        &mut self,
+        _tid: i32,
+        sample: &StackSample,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> WalkEnd {
         if max == 0 || sample.ip == 0 {
-            return;
+            return WalkEnd::Outermost;
         }
         let mut regs = UnwindRegsX86_64::new(sample.ip, sample.sp, sample.bp);
         let mut read = |addr: u64| sample.read_u64(addr).ok_or(());
@@ -77,15 +103,19 @@ impl Unwinder for FramehopUnwinder {
             out.push(ip);
             taken += 1;
             let Some(address) = FrameAddress::from_return_address(ip) else {
-                break;
+                return WalkEnd::Failed;
             };
             match self
                 .unwinder
                 .unwind_frame(address, &mut regs, &mut self.cache, &mut read)
             {
                 Ok(Some(next)) if next != 0 => ip = next,
-                _ => break,
+                // The outermost frame (a zero frame pointer or return
+                // address, or CFI that says there is no caller).
+                Ok(_) => return WalkEnd::Outermost,
+                Err(_) => return WalkEnd::Failed,
             }
         }
+        WalkEnd::Outermost
     }
 }

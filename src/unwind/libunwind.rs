@@ -6,7 +6,8 @@ use std::ops::Range;
 
 use gimli::{BaseAddresses, CieOrFde, EhFrame, LittleEndian, UnwindSection};
 
-use super::{MappedImage, StackSample, Unwinder};
+use super::debug_frame::to_eh_frame;
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::os::libunwind::{CfiTable, Libunwind};
 use crate::os::ptrace::Regs;
 
@@ -34,18 +35,31 @@ impl Unwinder for LibunwindUnwinder {
         if let Some(table) = cfi_table(mapped) {
             self.inner.add_table(table);
         }
+        if let Some(table) = debug_frame_table(&mut self.inner, mapped) {
+            self.inner.add_table(table);
+        }
     }
 
     fn remove_image(&mut self, range: Range<u64>) {
         self.inner.forget(range.start, range.end);
     }
 
-    fn unwind(&mut self, tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
+    fn unwind(
+        &mut self,
+        tid: i32,
+        sample: &StackSample,
+        out: &mut Vec<u64>,
+        max: usize,
+    ) -> WalkEnd {
         let mut regs: Regs = crate::os::ptrace::zeroed_regs();
         regs.rip = sample.ip;
         regs.rsp = sample.sp;
         regs.rbp = sample.bp;
-        self.inner.unwind(tid, &regs, out, max);
+        match self.inner.unwind(tid, &regs, out, max) {
+            Some(true) => WalkEnd::Outermost,
+            Some(false) => WalkEnd::Failed,
+            None => WalkEnd::Stopped,
+        }
     }
 }
 
@@ -82,5 +96,33 @@ fn cfi_table(mapped: &MappedImage) -> Option<CfiTable> {
         end: mapped.range.end,
         segbase,
         entries,
+        section: None,
+    })
+}
+
+/// A table for the image's `.debug_frame`, rewritten as `.eh_frame` and
+/// served from memptrace's memory (see os::libunwind).
+fn debug_frame_table(lu: &mut Libunwind, mapped: &MappedImage) -> Option<CfiTable> {
+    // libunwind compares the FDEs' addresses with runtime addresses.
+    let converted = to_eh_frame(&mapped.image.debug_frame.as_ref()?.data, mapped.bias.0);
+    if converted.fdes.is_empty() {
+        return None;
+    }
+    let start = mapped.range.start;
+    let mut entries: Vec<(i32, i32)> = converted
+        .fdes
+        .iter()
+        .filter_map(|&(avma, offset)| {
+            let rel = i32::try_from(avma.checked_sub(start)?).ok()?;
+            Some((rel, i32::try_from(offset).ok()?))
+        })
+        .collect();
+    entries.sort_unstable();
+    Some(CfiTable {
+        start,
+        end: mapped.range.end,
+        segbase: lu.synthetic_segbase(start),
+        entries,
+        section: Some(converted.data),
     })
 }

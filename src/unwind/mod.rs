@@ -10,11 +10,13 @@
 //! address. [`intern`] turns return addresses into ids of the stack trie, and
 //! [`pipeline`] is the thread that does both.
 
+pub mod debug_frame;
 pub mod framehop;
 pub mod intern;
 pub mod libunwind;
 pub mod pipeline;
 pub mod tables;
+pub mod vet;
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -61,8 +63,24 @@ pub trait Unwinder {
     fn add_image(&mut self, image: &MappedImage);
     fn remove_image(&mut self, range: Range<u64>);
     /// Append up to `max` return addresses to `out`, innermost first; the first
-    /// is `sample.ip`, the caller of the allocator.
-    fn unwind(&mut self, tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize);
+    /// is `sample.ip`, the caller of the allocator. Says why the walk ended.
+    fn unwind(&mut self, tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize)
+    -> WalkEnd;
+}
+
+/// Why an unwinder stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalkEnd {
+    /// At the outermost frame (CFI that says there is no caller, a zero
+    /// return address or frame pointer: the ABI's end of the chain), or at
+    /// the depth limit.
+    Outermost,
+    /// It could not go on: no rule for an address, or the end of the stack
+    /// copy. The stack is truncated.
+    Failed,
+    /// It stopped without saying why (libunwind's end of a walk): outermost
+    /// if CFI describes the last frame's code, else truncated.
+    Stopped,
 }
 
 /// Which unwinder a trace uses.

@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 
 use super::framehop::FramehopUnwinder;
 use super::intern::Interner;
-use super::{MappedImage, StackSample, Unwinder};
+use super::vet::{Trust, vet};
+use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
 use crate::event::Event;
 use crate::sink::{FrameRecord, ModuleRecord, Record, RecordSender, SinkError};
@@ -33,8 +34,9 @@ pub enum CallStack {
     CallerOnly(u64),
     /// A copy to unwind here.
     Sample(StackSample),
-    /// Already unwound on the tracer thread (libunwind).
-    Unwound(Vec<u64>),
+    /// Already unwound on the tracer thread (libunwind), and why the walk
+    /// ended.
+    Unwound { ips: Vec<u64>, end: WalkEnd },
 }
 
 /// What the tracer sends the pipeline, in the order things happened.
@@ -66,6 +68,10 @@ pub struct PipelineResult {
     pub events: u64,
     pub housekeeping_frees: u64,
     pub stack_nodes: u64,
+    /// Events whose stack ended before its outermost frame: no unwind rule
+    /// for an address, a frame that was not a return address, or the end of
+    /// the stack copy.
+    pub truncated_stacks: u64,
 }
 
 #[derive(Default)]
@@ -92,6 +98,11 @@ struct Pipeline {
     result: PipelineResult,
     out: Vec<Record>,
     ips: Vec<u64>,
+    trust: Vec<Trust>,
+    /// Frames found to be return addresses (see [`vet`]).
+    known: std::collections::HashSet<(u64, u64)>,
+    /// `meta` keys written by the pipeline.
+    meta_written: std::collections::HashSet<String>,
 }
 
 /// The producer side, held by the tracer.
@@ -123,6 +134,9 @@ impl PipelineHandle {
             result: PipelineResult::default(),
             out: Vec::new(),
             ips: Vec::with_capacity(max_depth),
+            trust: Vec::with_capacity(max_depth),
+            known: Default::default(),
+            meta_written: Default::default(),
         };
         let thread = std::thread::Builder::new()
             .name("memptrace-unwind".into())
@@ -197,6 +211,7 @@ impl Pipeline {
                     process.unwinder.add_image(&mapped);
                 }
                 process.images.insert(mapped.range.start, mapped.clone());
+                self.allocator_meta(&record.path, &mapped);
                 self.modules_by_id.insert(mapped.module_id, mapped);
                 self.result.modules.insert(record.id, record.clone());
                 self.out.push(Record::Module(record));
@@ -238,16 +253,18 @@ impl Pipeline {
         } = call;
         let pid = event.pid;
         self.ips.clear();
+        let mut end = WalkEnd::Outermost;
         let caller = match stack {
             CallStack::CallerOnly(ip) => ip,
-            CallStack::Unwound(ips) => {
+            CallStack::Unwound { ips, end: e } => {
                 self.ips = ips;
+                end = e;
                 self.ips.first().copied().unwrap_or(0)
             }
             CallStack::Sample(sample) => {
                 if self.unwind_here {
                     if let Some(process) = self.processes.get_mut(&pid) {
-                        process.unwinder.unwind(
+                        end = process.unwinder.unwind(
                             event.tid as i32,
                             &sample,
                             &mut self.ips,
@@ -258,6 +275,19 @@ impl Pipeline {
                 sample.ip
             }
         };
+        let images = self.processes.get(&pid);
+        let image_at = |ip| images.and_then(|p| p.image_at(ip));
+        let cut = vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
+        // libunwind ends a walk where it finds no rule too: that is the
+        // outermost frame only if CFI says so.
+        let ends_in_cfi = self.ips.last().is_some_and(|&ip| {
+            image_at(ip).is_some_and(|m| {
+                let svma = m.bias.to_svma(Avma(ip.wrapping_sub(1)));
+                m.image.cfi.covers(svma.0)
+            })
+        });
+        let truncated = (cut || end == WalkEnd::Failed || end == WalkEnd::Stopped && !ends_in_cfi)
+            && self.ips.len() < self.max_depth;
         if unmatched_release && self.is_housekeeping(allocator_module, caller) {
             self.result.housekeeping_frees += 1;
             return;
@@ -266,14 +296,39 @@ impl Pipeline {
             if self.ips.is_empty() && caller != 0 {
                 self.ips.push(caller);
             }
+            if truncated && !self.ips.is_empty() {
+                self.result.truncated_stacks += 1;
+            }
             let images = self.processes.get(&pid);
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
-            event.stack_id =
-                self.interner
-                    .intern(u64::from(pid), &self.ips, module_of, &mut self.out);
+            event.stack_id = self.interner.intern(
+                u64::from(pid),
+                &self.ips,
+                &self.trust,
+                module_of,
+                &mut self.out,
+            );
         }
         self.result.events += 1;
         self.out.push(Record::Event(event));
+    }
+
+    /// One `meta` row per allocator function of an image, saying how it was
+    /// found: `allocator.<path>.<function>` = `symbol at 0x…`, `debug file
+    /// <path> at 0x…` or `signature <function> of <library> at 0x…`.
+    /// Written once per path and function (forked children share them).
+    fn allocator_meta(&mut self, path: &str, mapped: &MappedImage) {
+        for entry in &mapped.image.allocators {
+            for op in &entry.ops {
+                let key = format!("allocator.{path}.{op}");
+                if self.meta_written.insert(key.clone()) {
+                    self.out.push(Record::Meta {
+                        key,
+                        value: format!("{} at {:#x}", entry.found_by, entry.svma.0),
+                    });
+                }
+            }
+        }
     }
 
     /// A release of an unknown block is the allocator's housekeeping (glibc's

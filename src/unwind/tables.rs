@@ -29,12 +29,17 @@ pub mod rule {
     /// not changed in this frame).
     pub const RBP_SHIFT: u32 = 17;
     pub const RBP_MASK: u32 = 0xff;
-    /// Bit 31: no rule covers the address: the stack ends here, maybe
-    /// early (it is marked truncated).
+    /// Bit 31: no CFI covers the address: the walk goes on by the frame
+    /// pointer, as framehop's and libunwind's do (and memptrace checks that
+    /// what it finds are return addresses).
     pub const NONE: u32 = 1 << 31;
     /// The outermost frame (its return address is undefined: `_start`, a
     /// thread's start routine): the stack is complete.
     pub const END: u32 = NONE | 1;
+    /// CFI covers the address with a rule the probes cannot follow (a CFA
+    /// expression, as in PLT entries): the stack ends here, marked
+    /// truncated.
+    pub const UNSUPPORTED: u32 = NONE | 2;
 }
 
 /// Rows sorted by key: `keys[i]` is the SVMA where `rules[i]` starts.
@@ -128,25 +133,25 @@ fn rule_of(cfa: &CfaRule<usize>, ra: RegisterRule<usize>, rbp: RegisterRule<usiz
         return rule::END;
     }
     let CfaRule::RegisterAndOffset { register, offset } = *cfa else {
-        return rule::NONE;
+        return rule::UNSUPPORTED;
     };
     let base = match register {
         X86_64::RSP => 0,
         X86_64::RBP => rule::RBP_BASED,
-        _ => return rule::NONE,
+        _ => return rule::UNSUPPORTED,
     };
     let Ok(offset) = u16::try_from(offset) else {
-        return rule::NONE;
+        return rule::UNSUPPORTED;
     };
     if !matches!(ra, RegisterRule::Offset(-8)) {
-        return rule::NONE;
+        return rule::UNSUPPORTED;
     }
     let saved = match rbp {
         RegisterRule::Undefined | RegisterRule::SameValue => 0,
         RegisterRule::Offset(at) if at < 0 && at % 8 == 0 && -at / 8 <= rule::RBP_MASK as i64 => {
             (-at / 8) as u32
         }
-        _ => return rule::NONE,
+        _ => return rule::UNSUPPORTED,
     };
     u32::from(offset) | base | (saved << rule::RBP_SHIFT)
 }
@@ -242,7 +247,7 @@ mod tests {
         });
         assert_eq!(
             rule_of(&expr, RegisterRule::Offset(-8), RegisterRule::Undefined),
-            rule::NONE
+            rule::UNSUPPORTED
         );
         let rbx = CfaRule::RegisterAndOffset {
             register: Register(3),
@@ -250,7 +255,7 @@ mod tests {
         };
         assert_eq!(
             rule_of(&rbx, RegisterRule::Offset(-8), RegisterRule::Undefined),
-            rule::NONE
+            rule::UNSUPPORTED
         );
         // _start: the return address is undefined: the outermost frame.
         assert_eq!(

@@ -304,8 +304,9 @@ fn attach_with_no_allocator_in_any_image() {
     assert_eq!(
         out.stderr,
         format!(
-            "memptrace: process {pid}: no allocator symbol (malloc, free, ...) in any of its \
-             images (a stripped static binary?); nothing to trace, the process was left as it was\n"
+            "memptrace: process {pid}: no allocator (malloc, free, ...) found in any of its images \
+             (no symbol, no debug file, no C library signature matched); nothing to trace, the \
+             process was left as it was\n"
         )
     );
     assert!(!db.exists());

@@ -71,21 +71,29 @@ fn a_32_bit_program() {
     assert!(!db.exists());
 }
 
+/// A stripped static binary whose allocator cannot be found (it has no C
+/// library at all): refused, naming the C libraries its code was matched
+/// against.
 #[test]
-fn stripped_static_binary() {
-    let dir = scratch("stripped");
-    let db = dir.join("trace.db");
-    let out = refused(
-        &db,
-        &tracee(Variant::Static, "stripped"),
-        "no allocator symbol",
-    );
-    assert!(
-        out.stderr.contains("strip"),
-        "says what to do: {}",
-        out.stderr
-    );
-    assert!(!db.exists());
+fn static_binary_without_an_allocator() {
+    for variant in [Variant::Static, Variant::Musl] {
+        let dir = scratch("nolibc");
+        let db = dir.join("trace.db");
+        let out = refused(
+            &db,
+            &tracee(variant, "nolibc"),
+            "allocator (malloc, free, ...) was not found",
+        );
+        for tried in ["glibc 2.", "musl 1."] {
+            assert!(out.stderr.contains(tried), "names {tried}: {}", out.stderr);
+        }
+        assert!(
+            out.stderr.contains("debug file"),
+            "says what to do: {}",
+            out.stderr
+        );
+        assert!(!db.exists());
+    }
 }
 
 #[test]

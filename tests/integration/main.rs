@@ -18,4 +18,5 @@ mod report;
 mod returns;
 mod sampling;
 mod stacks;
+mod stripped;
 mod support;

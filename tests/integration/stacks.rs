@@ -8,29 +8,7 @@ fn deep(variant: Variant, unwinder: &str) {
     assert_eq!(t.run.code(), 0);
     assert_eq!(t.meta("unwinder").as_deref(), Some(unwinder));
     t.assert_truth();
-
-    let stacks = t.stacks_from("deep_inner", "malloc");
-    assert_eq!(stacks.len(), 1, "one call site, one stack: {stacks:?}");
-    let functions = t.stack_functions(stacks[0]);
-    assert_eq!(
-        functions[..4],
-        ["deep_inner", "deep_middle", "deep_outer", "main"],
-        "{variant:?} {unwinder}: {functions:?}"
-    );
-
-    // deep_recurse(19): twenty frames of it, then main.
-    let stacks = t.stacks_from("deep_recurse", "malloc");
-    assert_eq!(stacks.len(), 1);
-    let functions = t.stack_functions(stacks[0]);
-    assert!(
-        functions[..20].iter().all(|f| f == "deep_recurse") && functions[20] == "main",
-        "{variant:?} {unwinder}: {functions:?}"
-    );
-
-    // The frees come from deep_release, called by main.
-    for stack in t.stacks_from("deep_release", "free") {
-        assert_eq!(t.stack_functions(stack)[..2], ["deep_release", "main"]);
-    }
+    t.assert_deep_stacks(&format!("{variant:?} {unwinder}"));
 }
 
 #[test]
@@ -181,6 +159,18 @@ fn frame_pointer_fallback() {
                 functions[..4],
                 ["nocfi_inner", "nocfi_middle", "nocfi_outer", "main"],
                 "{variant:?} {unwinder}: {functions:?}"
+            );
+            // Those frames say how they were found, in stack_text too.
+            let text = stack_text(&t, stacks[0]);
+            let lines: Vec<&str> = text.lines().collect();
+            assert!(!lines[0].contains("[found by"), "{text}");
+            for line in &lines[1..4] {
+                assert!(line.ends_with(" [found by frame pointer]"), "{text}");
+            }
+            let trust = t.stack_trust(stacks[0]);
+            assert_eq!(
+                trust[..4],
+                ["context", "frame pointer", "frame pointer", "frame pointer"]
             );
         }
     }

@@ -113,7 +113,8 @@ fn build_variant(variant: Variant) -> PathBuf {
     for name in TRACEES {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
-    // No unwind tables, frame pointers: the unwinders' fallback.
+    // No unwind tables, frame pointers: the unwinders' fallback. Without
+    // its .debug_frame too, which would describe the code (-g).
     compile(
         variant,
         &["nocfi.c"],
@@ -123,6 +124,11 @@ fn build_variant(variant: Variant) -> PathBuf {
             "-fno-unwind-tables",
             "-fno-omit-frame-pointer",
         ],
+    );
+    build(
+        Command::new("objcopy")
+            .arg("--remove-section=.debug_frame")
+            .arg(dir.join("nocfi")),
     );
     match variant {
         Variant::Dynamic => {
@@ -162,22 +168,63 @@ fn build_variant(variant: Variant) -> PathBuf {
                 ],
             );
         }
-        Variant::Static => {
-            // What `strip -s` leaves of a static binary: no allocator symbol.
-            compile(variant, &["leaks.c"], &dir.join("stripped"), &[]);
-            build(Command::new("strip").arg("-s").arg(dir.join("stripped")));
-            // No C library at all: no allocator to find by any means.
-            compile(
-                variant,
-                &["nolibc.c"],
-                &dir.join("nolibc"),
-                &["-nostdlib", "-fno-stack-protector"],
-            );
-            build(Command::new("strip").arg("-s").arg(dir.join("nolibc")));
-        }
-        _ => {}
+        Variant::Static | Variant::StaticPie | Variant::Musl => stripped_builds(variant, &dir),
     }
     dir
+}
+
+/// Static binaries as they ship (tests/integration/stripped.rs): built
+/// without unwind tables and without frame pointers (`nounwind`, from
+/// deep.c: CFI only in `.debug_frame`); `strip -s` copies of `leaks`,
+/// `deep` and `nounwind` (`stripped-*`: no symbol, no DWARF, no
+/// `.debug_frame`); and in `split/` the same stripped, each with its debug
+/// file beside it (`objcopy --only-keep-debug`, `--add-gnu-debuglink`).
+/// Stripping moves no code: the unstripped builds name the stripped ones'
+/// addresses. A static binary with no C library at all (`nolibc`) has no
+/// allocator to find.
+fn stripped_builds(variant: Variant, dir: &Path) {
+    compile(
+        variant,
+        &["deep.c"],
+        &dir.join("nounwind"),
+        &[
+            "-fno-asynchronous-unwind-tables",
+            "-fno-unwind-tables",
+            "-fomit-frame-pointer",
+        ],
+    );
+    let split = dir.join("split");
+    std::fs::create_dir_all(&split).unwrap();
+    for name in ["leaks", "deep", "nounwind"] {
+        let stripped = dir.join(format!("stripped-{name}"));
+        build(
+            Command::new("strip")
+                .arg("-s")
+                .arg("-o")
+                .arg(&stripped)
+                .arg(dir.join(name)),
+        );
+        let debug = split.join(format!("{name}.debug"));
+        build(
+            Command::new("objcopy")
+                .arg("--only-keep-debug")
+                .arg(dir.join(name))
+                .arg(&debug),
+        );
+        build(
+            Command::new("objcopy")
+                .arg(format!("--add-gnu-debuglink={}", debug.display()))
+                .arg(&stripped)
+                .arg(split.join(name)),
+        );
+    }
+    compile(
+        variant,
+        &["nolibc.c"],
+        &dir.join("nolibc"),
+        &["-nostdlib", "-fno-stack-protector"],
+    );
+    build(Command::new("strip").arg("-s").arg(dir.join("nolibc")));
 }
 
 /// The path of a tracee, building the variant's tracees on first use.
@@ -578,6 +625,17 @@ impl Trace {
         let unknown = self
             .int("SELECT count(*) FROM events WHERE op = 'free' AND ptr <> 0 AND alloc_id IS NULL");
         assert_eq!(unknown, 0, "frees of blocks never seen allocated");
+        // Never an invented frame: every frame after the first is in an
+        // image (memptrace checked it is just after a call there).
+        let outside = self.int(
+            "SELECT count(*) FROM stacks s JOIN frames f ON f.id = s.frame_id
+             WHERE f.module_id IS NULL AND s.trust <> 'context'",
+        );
+        assert_eq!(outside, 0, "frames outside every image");
+        assert!(
+            self.meta("truncated_stacks").is_some(),
+            "meta has no truncated_stacks"
+        );
     }
 
     pub fn truth(&self) -> Vec<Calls> {
@@ -677,6 +735,57 @@ impl Trace {
                  SELECT coalesce(f.function, '?') FROM walk w
                  JOIN stacks s ON s.id = w.id JOIN frames f ON f.id = s.frame_id
                  ORDER BY w.depth",
+            )
+            .unwrap();
+        stmt.query_map([stack_id], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// The stacks of tracee-tests/deep.c, function by function: the chain
+    /// `deep_inner ← deep_middle ← deep_outer ← main`, twenty frames of
+    /// `deep_recurse` then `main`, and `deep_release ← main`. `what` names
+    /// the trace in failures.
+    pub fn assert_deep_stacks(&self, what: &str) {
+        let stacks = self.stacks_from("deep_inner", "malloc");
+        assert_eq!(
+            stacks.len(),
+            1,
+            "{what}: one call site, one stack: {stacks:?}"
+        );
+        let functions = self.stack_functions(stacks[0]);
+        assert_eq!(
+            functions[..4],
+            ["deep_inner", "deep_middle", "deep_outer", "main"],
+            "{what}: {functions:?}"
+        );
+        let stacks = self.stacks_from("deep_recurse", "malloc");
+        assert_eq!(stacks.len(), 1, "{what}");
+        let functions = self.stack_functions(stacks[0]);
+        assert!(
+            functions[..20].iter().all(|f| f == "deep_recurse") && functions[20] == "main",
+            "{what}: {functions:?}"
+        );
+        for stack in self.stacks_from("deep_release", "free") {
+            assert_eq!(
+                self.stack_functions(stack)[..2],
+                ["deep_release", "main"],
+                "{what}"
+            );
+        }
+    }
+
+    /// How each frame of a stack was found (`stacks.trust`), innermost first.
+    pub fn stack_trust(&self, stack_id: i64) -> Vec<String> {
+        let mut stmt = self
+            .db
+            .prepare(
+                "WITH RECURSIVE up(id, parent_id, trust, n) AS (
+                     SELECT id, parent_id, trust, 0 FROM stacks WHERE id = ?1
+                     UNION ALL SELECT s.id, s.parent_id, s.trust, n + 1
+                     FROM stacks s JOIN up ON s.id = up.parent_id)
+                 SELECT trust FROM up ORDER BY n",
             )
             .unwrap();
         stmt.query_map([stack_id], |r| r.get(0))

@@ -288,13 +288,14 @@ impl SqliteSink {
             }
             Record::StackNode(s) => {
                 conn.prepare_cached(
-                    "INSERT OR REPLACE INTO stacks(id, parent_id, frame_id, depth) VALUES (?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO stacks(id, parent_id, frame_id, depth, trust) VALUES (?, ?, ?, ?, ?)",
                 )?
                 .execute(params![
                     int(s.id),
                     s.parent_id.map(int),
                     int(s.frame_id),
-                    s.depth
+                    s.depth,
+                    s.trust.name()
                 ])?;
             }
             Record::Event(_) | Record::Symbols(_) => {}

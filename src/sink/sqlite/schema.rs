@@ -62,7 +62,8 @@ CREATE TABLE stacks(
     id INTEGER PRIMARY KEY,
     parent_id INTEGER,
     frame_id INTEGER NOT NULL,
-    depth INTEGER NOT NULL
+    depth INTEGER NOT NULL,
+    trust TEXT
 );
 -- stack_text walks the trie from the roots down: without this index each
 -- step would scan the table. Stack nodes are few next to events, so it is
@@ -113,6 +114,12 @@ fn location(x: &str) -> String {
               WHEN {x}.line IS NULL THEN ' (' || {x}.file || ')' \
               ELSE ' (' || {x}.file || ':' || {x}.line || ')' END"
     )
+}
+
+/// ` [found by frame pointer]` after a frame of stack node `x` found by a
+/// frame pointer, nothing after the others (breakpad's "found by").
+fn trust_mark(x: &str) -> String {
+    format!("CASE WHEN {x}.trust = 'frame pointer' THEN ' [found by frame pointer]' ELSE '' END")
 }
 
 /// `name` of the op of `event_log` row `x`, as a CASE (cheaper than a join,
@@ -264,14 +271,16 @@ LEFT JOIN modules m ON m.id = f.module_id;
 CREATE VIEW stack_text(stack_id, text) AS
 WITH RECURSIVE walk(id, text) AS (
     SELECT s.id, coalesce((SELECT text FROM frame_text WHERE frame_id = s.frame_id), '??')
+                 || {trust_s}
     FROM stacks s WHERE s.parent_id IS NULL
     UNION ALL
     SELECT s.id, coalesce((SELECT text FROM frame_text WHERE frame_id = s.frame_id), '??')
-                 || char(10) || w.text
+                 || {trust_s} || char(10) || w.text
     FROM walk w JOIN stacks s ON s.parent_id = w.id
 )
 SELECT id, text FROM walk;
 ",
+        trust_s = trust_mark("s"),
         pid_e = thread("e", "pid"),
         tid_e = thread("e", "tid"),
         op_e = op_name("e"),

@@ -40,6 +40,18 @@ pub fn same_build(a: Option<&str>, b: Option<&str>) -> bool {
     }
 }
 
+/// The image's debug file: by build-id, else by `.gnu_debuglink`.
+pub fn find(
+    image: &Path,
+    build_id: Option<&str>,
+    link: Option<&DebugLink>,
+    roots: &[PathBuf],
+) -> Option<DebugFile> {
+    build_id
+        .and_then(|id| by_build_id(roots, id))
+        .or_else(|| by_debuglink(image, build_id, link?, roots))
+}
+
 /// The debug file named by the image's build-id under one of `roots`.
 pub fn by_build_id(roots: &[PathBuf], build_id: &str) -> Option<DebugFile> {
     roots.iter().find_map(|root| {

@@ -77,7 +77,7 @@ impl ObjectInfo {
 
 /// A NUL-terminated file name, padding to a multiple of 4, then the CRC in the
 /// file's byte order (little-endian: memptrace reads x86-64 files only).
-fn parse_debuglink(data: &[u8]) -> Option<DebugLink> {
+pub(crate) fn parse_debuglink(data: &[u8]) -> Option<DebugLink> {
     let name_len = data.iter().position(|&b| b == 0)?;
     let crc_at = (name_len + 4) & !3;
     let crc = data.get(crc_at..crc_at + 4)?;

@@ -104,7 +104,7 @@ pub fn image_mappings(maps: &[Mapping]) -> Vec<ImageMapping> {
 pub fn load_image(pid: Tid, f: &ImageMapping) -> io::Result<ElfImage> {
     let bytes = std::fs::read(procfs::map_file(pid, f.start, f.first_end))
         .or_else(|_| std::fs::read(f.path.trim_end_matches(" (deleted)")))?;
-    ElfImage::parse(&f.path, &bytes).map_err(io::Error::other)
+    crate::symbols::locate::load(&f.path, &bytes).map_err(io::Error::other)
 }
 
 #[cfg(test)]

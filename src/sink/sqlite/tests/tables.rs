@@ -160,6 +160,7 @@ fn stack_records() -> Vec<Record> {
             parent_id,
             frame_id,
             depth,
+            trust: crate::sink::Trust::Cfi,
         })
     };
     vec![

@@ -233,12 +233,14 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.set_label(&mut l.key_end)?;
     a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
     a.test(rsi, rsi)?;
-    a.jz(l.truncated)?;
+    a.jz(l.frame_pointer)?; // before the image's first row: no CFI
     a.mov(eax, dword_ptr(rsi + r8))?;
     a.cmp(eax, rule::END as i32)?;
     a.je(l.walked)?; // the outermost frame: the stack is whole
+    a.cmp(eax, rule::NONE as i32)?;
+    a.je(l.frame_pointer)?;
     a.test(eax, eax)?;
-    a.js(l.truncated)?; // rule::NONE
+    a.js(l.truncated)?; // a rule the walk cannot follow
     // CFA = base + offset, above the frame and inside the stack.
     a.mov(ecx, eax)?;
     a.and(ecx, rule::OFFSET_MASK)?;
@@ -263,6 +265,23 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.set_label(&mut l.keep_bp)?;
     a.mov(r12, qword_ptr(rdx - 8))?;
     a.mov(r13, rdx)?;
+    a.test(r12, r12)?;
+    a.jnz(l.frame)?;
+    a.jmp(l.walked)?;
+    // No CFI: the frame pointer, if it points into the stack above the
+    // frame: the caller's rbp at [rbp], its return address at [rbp + 8].
+    a.set_label(&mut l.frame_pointer)?;
+    a.mov(rdx, r14)?;
+    a.test(dl, 7)?;
+    a.jnz(l.truncated)?;
+    a.cmp(rdx, r13)?;
+    a.jb(l.truncated)?;
+    a.lea(rcx, qword_ptr(rdx + 16))?;
+    a.cmp(rcx, r9)?;
+    a.ja(l.truncated)?;
+    a.mov(r12, qword_ptr(rdx + 8))?;
+    a.mov(r14, qword_ptr(rdx))?;
+    a.mov(r13, rcx)?;
     a.test(r12, r12)?;
     a.jnz(l.frame)?;
     a.jmp(l.walked)?;
@@ -476,6 +495,7 @@ struct Labels {
     key_left: CodeLabel,
     key_end: CodeLabel,
     keep_bp: CodeLabel,
+    frame_pointer: CodeLabel,
     truncated: CodeLabel,
     full: CodeLabel,
     walked: CodeLabel,
@@ -510,6 +530,7 @@ impl Labels {
             key_left: a.create_label(),
             key_end: a.create_label(),
             keep_bp: a.create_label(),
+            frame_pointer: a.create_label(),
             truncated: a.create_label(),
             full: a.create_label(),
             walked: a.create_label(),
