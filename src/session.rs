@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -342,15 +343,24 @@ fn create_output(path: &Path, force: bool) -> Result<SqliteSink, Error> {
         }
     }
     // Create the file first: SQLite's own error for a missing directory or a
-    // read-only place is vaguer than the system's.
-    std::fs::OpenOptions::new()
+    // read-only place is vaguer than the system's. It is private (0600, the
+    // umask notwithstanding): it holds command lines and addresses of a
+    // process that may be another user's. SQLite gives the -wal, -shm and
+    // -journal files it creates beside it the database file's mode.
+    let private = |source| Error::OutputUnwritable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .open(path)
-        .map_err(|source| Error::OutputUnwritable {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        .map_err(private)?;
+    if let Err(err) = file.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+        let _ = std::fs::remove_file(path);
+        return Err(private(err));
+    }
     SqliteSink::create(path).map_err(|err| {
         let _ = std::fs::remove_file(path);
         Error::OutputUnwritable {

@@ -13,6 +13,7 @@ mod attach;
 mod bad_input;
 mod docs;
 mod faults;
+mod output;
 mod processes;
 mod report;
 mod returns;
