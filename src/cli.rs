@@ -24,16 +24,21 @@ memptrace runs PROGRAM under ptrace (or attaches to a running process), plants b
 malloc, calloc, realloc, free and the rest of the allocator API in every ELF image (static \
 binaries included), and writes each call to a SQLite database. Query it with sqlite3; see \
 docs/queries.md.",
-    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
-    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace -o web.db attach 1234\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
     subcommand_negates_reqs = true
 )]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
 
+    /// Options of a trace: of the launched PROGRAM, or of `attach`, given
+    /// before it (`memptrace -o x.db attach PID`) or after it.
     #[command(flatten)]
     pub trace: TraceArgs,
+
+    /// (attach) Stop tracing after this many seconds.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
 
     /// The program to run, and its arguments (after `--`).
     #[arg(last = true, value_name = "PROGRAM", required = true)]
@@ -249,23 +254,26 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-#[derive(Debug, Clone, Args)]
+/// Options of a trace. Each is optional here, so that options given before
+/// `attach` and after it can be told apart and put together
+/// ([`TraceArgs::merge`]); the defaults are applied in [`TraceConfig`].
+#[derive(Debug, Clone, Default, Args)]
 pub struct TraceArgs {
-    /// Database to write.
-    #[arg(short, long, value_name = "PATH", default_value = "trace.db")]
-    pub output: PathBuf,
+    /// Database to write [default: trace.db].
+    #[arg(short, long, value_name = "PATH")]
+    pub output: Option<PathBuf>,
 
     /// Replace the output file if it exists.
     #[arg(long)]
     pub force: bool,
 
-    /// Frames recorded per stack, at most.
-    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub max_depth: u32,
+    /// Frames recorded per stack, at most [default: 128].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_depth: Option<u32>,
 
-    /// How stacks are unwound.
-    #[arg(long, value_enum, default_value_t = UnwinderArg::Framehop)]
-    pub unwinder: UnwinderArg,
+    /// How stacks are unwound [default: framehop].
+    #[arg(long, value_enum)]
+    pub unwinder: Option<UnwinderArg>,
 
     /// Record every call but no stacks (fastest).
     #[arg(long)]
@@ -273,14 +281,60 @@ pub struct TraceArgs {
 
     /// Unwind the stack of every Nth call from each call site only (the 1st,
     /// the N+1th, ...); every call is still recorded, the others with their
-    /// caller as a one-frame stack.
-    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with = "no_stacks",
+    /// caller as a one-frame stack [default: 1].
+    #[arg(long, value_name = "N", conflicts_with = "no_stacks",
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub stack_every: u64,
+    pub stack_every: Option<u64>,
     /// Trace forked children too, into the same database (without it they
     /// are released unharmed).
     #[arg(short = 'f', long)]
     pub follow_forks: bool,
+}
+
+impl TraceArgs {
+    /// The options given before a subcommand and after it, as one; an
+    /// option given on both sides is refused.
+    pub fn merge(self, after: TraceArgs) -> Result<TraceArgs, String> {
+        fn once<T>(name: &str, a: Option<T>, b: Option<T>) -> Result<Option<T>, String> {
+            match (a, b) {
+                (Some(_), Some(_)) => Err(format!("{name} is given twice")),
+                (a, b) => Ok(a.or(b)),
+            }
+        }
+        let merged = TraceArgs {
+            output: once("--output", self.output, after.output)?,
+            force: self.force || after.force,
+            max_depth: once("--max-depth", self.max_depth, after.max_depth)?,
+            unwinder: once("--unwinder", self.unwinder, after.unwinder)?,
+            no_stacks: self.no_stacks || after.no_stacks,
+            stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
+            follow_forks: self.follow_forks || after.follow_forks,
+        };
+        if merged.no_stacks && merged.stack_every.is_some() {
+            return Err("--no-stacks and --stack-every cannot be used together".to_string());
+        }
+        Ok(merged)
+    }
+
+    /// The options given, by name (to refuse them where they do not apply).
+    pub fn given(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        let flags = [
+            (self.output.is_some(), "--output"),
+            (self.force, "--force"),
+            (self.max_depth.is_some(), "--max-depth"),
+            (self.unwinder.is_some(), "--unwinder"),
+            (self.no_stacks, "--no-stacks"),
+            (self.stack_every.is_some(), "--stack-every"),
+            (self.follow_forks, "--follow-forks"),
+        ];
+        for (given, name) in flags {
+            if given {
+                names.push(name);
+            }
+        }
+        names
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -340,15 +394,15 @@ pub struct TraceConfig {
 impl From<TraceArgs> for TraceConfig {
     fn from(a: TraceArgs) -> TraceConfig {
         TraceConfig {
-            output: a.output,
+            output: a.output.unwrap_or_else(|| PathBuf::from("trace.db")),
             force: a.force,
-            max_depth: a.max_depth as usize,
-            unwinder: match a.unwinder {
+            max_depth: a.max_depth.unwrap_or(128) as usize,
+            unwinder: match a.unwinder.unwrap_or(UnwinderArg::Framehop) {
                 UnwinderArg::Framehop => UnwinderKind::Framehop,
                 UnwinderArg::Libunwind => UnwinderKind::Libunwind,
             },
             stacks: !a.no_stacks,
-            stack_every: a.stack_every,
+            stack_every: a.stack_every.unwrap_or(1),
             follow_forks: a.follow_forks,
         }
     }
@@ -383,18 +437,68 @@ impl From<MetricArg> for Metric {
     }
 }
 
+impl Command {
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Attach(_) => "attach",
+            Command::Report(_) => "report",
+            Command::Flamegraph(_) => "flamegraph",
+            Command::Plot(_) => "plot",
+            Command::Export(_) => "export",
+            Command::Window(_) => "window",
+        }
+    }
+}
+
 impl Cli {
-    pub fn into_config(self) -> Config {
-        match self.command {
+    /// Parse the process's arguments; on a usage error print it as clap
+    /// does and exit with status 2.
+    pub fn config_from_args() -> Config {
+        Cli::parse().into_config().unwrap_or_else(|err| err.exit())
+    }
+
+    /// The plain config. Options of a trace may come before `attach` as well
+    /// as after it; before another subcommand they are a usage error.
+    pub fn into_config(self) -> Result<Config, clap::Error> {
+        let usage = |message: String| {
+            <Cli as clap::CommandFactory>::command()
+                .error(clap::error::ErrorKind::ArgumentConflict, message)
+        };
+        if let Some(command) = &self.command {
+            let name = command.name();
+            let mut given = self.trace.given();
+            if self.duration.is_some() && name != "attach" {
+                given.push("--duration");
+            }
+            if name != "attach" && !given.is_empty() {
+                return Err(usage(format!(
+                    "{} before `{name}`: options of a trace go with `memptrace [OPTIONS] -- PROGRAM` or `memptrace attach PID [OPTIONS]`",
+                    given.join(", ")
+                )));
+            }
+        } else if self.duration.is_some() {
+            return Err(usage(
+                "--duration applies to `attach` (a launched program is traced until it exits)"
+                    .to_string(),
+            ));
+        }
+        Ok(match self.command {
             None => Config::Launch {
                 trace: self.trace.into(),
                 program: self.program,
             },
-            Some(Command::Attach(a)) => Config::Attach {
-                trace: a.trace.into(),
-                pid: a.pid,
-                duration: a.duration,
-            },
+            Some(Command::Attach(a)) => {
+                let trace = self.trace.merge(a.trace).map_err(usage)?;
+                let duration = match (self.duration, a.duration) {
+                    (Some(_), Some(_)) => return Err(usage("--duration is given twice".into())),
+                    (before, after) => before.or(after),
+                };
+                Config::Attach {
+                    trace: trace.into(),
+                    pid: a.pid,
+                    duration,
+                }
+            }
             Some(Command::Report(a)) => Config::Report {
                 trace: a.file.trace,
                 options: a.view.into(),
@@ -430,7 +534,7 @@ impl Cli {
                     report: a.view.into(),
                 },
             },
-        }
+        })
     }
 }
 
@@ -440,7 +544,7 @@ mod tests {
     use clap::CommandFactory;
 
     fn parse(args: &[&str]) -> Result<Config, clap::Error> {
-        Cli::try_parse_from(args).map(Cli::into_config)
+        Cli::try_parse_from(args).and_then(Cli::into_config)
     }
 
     #[test]
@@ -556,6 +660,96 @@ mod tests {
         );
         assert!(parse(&["memptrace", "attach", "1", "--duration", "-1"]).is_err());
         assert!(parse(&["memptrace", "attach", "1", "--", "ls"]).is_err());
+    }
+
+    /// Options as users type them: before `attach` or after it.
+    #[test]
+    fn trace_options_before_attach() {
+        for args in [
+            &["memptrace", "-o", "x.db", "attach", "42"][..],
+            &["memptrace", "attach", "42", "-o", "x.db"],
+            &["memptrace", "--output", "x.db", "attach", "42"],
+        ] {
+            let Ok(Config::Attach { trace, pid, .. }) = parse(args) else {
+                panic!("{args:?}: not an attach");
+            };
+            assert_eq!((trace.output, pid), (PathBuf::from("x.db"), 42), "{args:?}");
+        }
+        let Ok(Config::Attach {
+            trace, duration, ..
+        }) = parse(&[
+            "memptrace",
+            "-o",
+            "x.db",
+            "--duration",
+            "3",
+            "--no-stacks",
+            "attach",
+            "42",
+            "--force",
+            "-f",
+        ])
+        else {
+            panic!("not an attach");
+        };
+        assert_eq!(duration, Some(Duration::from_secs(3)));
+        assert!(trace.force && trace.follow_forks && !trace.stacks);
+        assert_eq!(trace.output, PathBuf::from("x.db"));
+        // Given on both sides, or contradicting across them: refused.
+        for args in [
+            &["memptrace", "-o", "a.db", "attach", "1", "-o", "b.db"][..],
+            &[
+                "memptrace",
+                "--duration",
+                "1",
+                "attach",
+                "1",
+                "--duration",
+                "2",
+            ],
+            &[
+                "memptrace",
+                "--no-stacks",
+                "attach",
+                "1",
+                "--stack-every",
+                "3",
+            ],
+            &[
+                "memptrace",
+                "--max-depth",
+                "8",
+                "attach",
+                "1",
+                "--max-depth",
+                "8",
+            ],
+        ] {
+            let err = parse(args).expect_err(&format!("{args:?}"));
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ArgumentConflict,
+                "{args:?}"
+            );
+        }
+        // Trace options do not belong to the report commands, nor --duration
+        // to a launch.
+        for args in [
+            &["memptrace", "-o", "x.svg", "flamegraph"][..],
+            &["memptrace", "--force", "report"],
+            &["memptrace", "--duration", "1", "report"],
+            &["memptrace", "--duration", "5", "--", "ls"],
+        ] {
+            assert!(parse(args).is_err(), "{args:?}");
+        }
+        // Launch keeps its options before `--`.
+        let Ok(Config::Launch { trace, program }) =
+            parse(&["memptrace", "-o", "x.db", "--", "attach", "42"])
+        else {
+            panic!("not a launch");
+        };
+        assert_eq!(trace.output, PathBuf::from("x.db"));
+        assert_eq!(program, [OsString::from("attach"), OsString::from("42")]);
     }
 
     #[test]

@@ -83,10 +83,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             return Err(if err.raw_os_error() == Some(libc::EPERM) {
                 Error::PtraceDenied(err)
             } else {
-                Error::Exec {
-                    path: program,
-                    source: err,
-                }
+                exec_error(program, err)
             });
         }
     };
@@ -104,10 +101,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             // The program never ran: no trace of it is worth keeping.
             drop(pipeline);
             recording.abandon(&config.output);
-            return Err(Error::Exec {
-                path: program,
-                source: err,
-            });
+            return Err(exec_error(program, err));
         }
     }
     let status = exit_status(&ending);
@@ -163,6 +157,19 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     Ok(status)
 }
 
+/// The program could not be executed: for a script whose interpreter
+/// cannot be run, say which interpreter.
+fn exec_error(path: std::path::PathBuf, source: std::io::Error) -> Error {
+    match program::interpreter(&path) {
+        Some(interpreter) => Error::BadInterpreter {
+            path,
+            interpreter,
+            source,
+        },
+        None => Error::Exec { path, source },
+    }
+}
+
 fn attach_error(err: TraceError) -> Error {
     match err {
         TraceError::NoSuchProcess(pid) => Error::NoSuchProcess(pid),
@@ -215,12 +222,12 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         .into_iter()
         .try_for_each(|(key, value)| sink.write(&meta_record(key, value)))
         .and_then(|()| sink.commit());
-    if let Err(err) = written {
+    if let Err(source) = written {
         drop(sink);
         discard(&config.output);
-        return Err(Error::OutputUnwritable {
+        return Err(Error::OutputDatabase {
             path: config.output.clone(),
-            source: std::io::Error::other(err.to_string()),
+            source,
         });
     }
     Ok(sink)
@@ -305,17 +312,18 @@ impl Recording {
         if let Ending::Killed { sig, .. } = ending {
             end.push(("exit_signal", signal_name(*sig)));
         }
+        let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {
-            eprintln!(
-                "memptrace: warning: no allocator function found in any image; nothing was recorded"
-            );
-            end.push(("warning", "no allocator function found".to_string()));
+            warnings
+                .push("no allocator function found in any image; nothing was recorded".to_string());
         }
-        for warning in &stats.warnings {
+        warnings.extend(stats.warnings.iter().cloned());
+        for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }
-        self.records
-            .send(end.into_iter().map(|(k, v)| meta_record(k, v)).collect())?;
+        let mut rows: Vec<Record> = end.into_iter().map(|(k, v)| meta_record(k, v)).collect();
+        rows.extend(warning_rows(&warnings));
+        self.records.send(rows)?;
         drop(self.records);
         self.recorder.finish()?;
         Ok(())
@@ -361,11 +369,11 @@ fn create_output(path: &Path, force: bool) -> Result<SqliteSink, Error> {
         let _ = std::fs::remove_file(path);
         return Err(private(err));
     }
-    SqliteSink::create(path).map_err(|err| {
+    SqliteSink::create(path).map_err(|source| {
         let _ = std::fs::remove_file(path);
-        Error::OutputUnwritable {
+        Error::OutputDatabase {
             path: path.to_path_buf(),
-            source: std::io::Error::other(err.to_string()),
+            source,
         }
     })
 }
@@ -424,6 +432,16 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
     }
     bar.finish_and_clear();
     Ok(())
+}
+
+/// Every warning of a trace as a `meta` row of its own: `warning.1`,
+/// `warning.2`, ... in the order they were given.
+fn warning_rows(warnings: &[String]) -> Vec<Record> {
+    warnings
+        .iter()
+        .enumerate()
+        .map(|(i, w)| meta_record(&format!("warning.{}", i + 1), w.clone()))
+        .collect()
 }
 
 fn meta_record(key: &str, value: String) -> Record {
@@ -500,6 +518,19 @@ mod tests {
         assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
         let leap = SystemTime::UNIX_EPOCH + Duration::from_secs(951_782_400);
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn warnings_are_numbered_meta_rows() {
+        let rows = warning_rows(&["first".to_string(), "second".to_string()]);
+        assert_eq!(
+            rows,
+            [
+                meta_record("warning.1", "first".into()),
+                meta_record("warning.2", "second".into())
+            ]
+        );
+        assert!(warning_rows(&[]).is_empty());
     }
 
     #[test]

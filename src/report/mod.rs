@@ -152,12 +152,12 @@ pub enum ReportError {
         path.display()
     )]
     Version { path: PathBuf, found: i64 },
-    #[error("{}: reading the trace failed: {source}", path.display())]
+    #[error("{}: reading the trace failed", path.display())]
     Query {
         path: PathBuf,
         source: rusqlite::Error,
     },
-    #[error("cannot write {}: {source}", path.display())]
+    #[error("cannot write {}", path.display())]
     Write {
         path: PathBuf,
         source: std::io::Error,
@@ -193,6 +193,23 @@ impl Trace {
             .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
             .optional()
             .map_err(|e| self.err(e))
+    }
+}
+
+impl Trace {
+    /// The warnings of the trace, in the order memptrace gave them: `meta`
+    /// rows `warning.1`, `warning.2`, ... (and `warning`, one row, in traces
+    /// of an earlier memptrace).
+    pub fn warnings(&self) -> Result<Vec<String>, ReportError> {
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT value FROM meta WHERE key = 'warning' OR key GLOB 'warning.[0-9]*'
+                 ORDER BY key <> 'warning', CAST(substr(key, 9) AS INTEGER)",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = stmt.query_map([], |r| r.get(0)).map_err(|e| self.err(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
 }
 

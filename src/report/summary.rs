@@ -35,6 +35,8 @@ pub struct TraceInfo {
     pub events: u64,
     pub processes: u64,
     pub threads: u64,
+    /// What memptrace warned about while tracing (`meta` rows `warning.N`).
+    pub warnings: Vec<String>,
 }
 
 impl TraceInfo {
@@ -57,6 +59,7 @@ impl TraceInfo {
             events: 0,
             processes: count("SELECT count(DISTINCT pid) FROM event_threads")?,
             threads: count("SELECT count(*) FROM event_threads")?,
+            warnings: trace.warnings()?,
         })
     }
 }

@@ -46,6 +46,11 @@ impl Style {
         self.paint("1;33", text)
     }
 
+    /// Something memptrace warned about.
+    pub fn warning(&self, text: &str) -> String {
+        self.paint("1;31", text)
+    }
+
     pub fn dim(&self, text: &str) -> String {
         self.paint("2", text)
     }
@@ -265,6 +270,9 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     }
     if !traced.is_empty() {
         let _ = writeln!(out, "  traced     {}", traced.join(", "));
+    }
+    for warning in &t.warnings {
+        let _ = writeln!(out, "  {}    {warning}", style.warning("warning"));
     }
     let _ = writeln!(
         out,

@@ -112,9 +112,9 @@ pub trait EventSink: Send {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    #[error("database error: {0}")]
+    #[error("database error")]
     Sqlite(#[from] rusqlite::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("the recorder thread stopped: {0}")]
     Stopped(String),

@@ -11,9 +11,9 @@
 mod api;
 mod attach;
 mod bad_input;
+mod cli;
 mod docs;
 mod faults;
-mod output;
 mod processes;
 mod report;
 mod returns;
