@@ -240,6 +240,8 @@ struct Recording {
     records: RecordSender,
     clock: Instant,
     progress: Arc<Progress>,
+    /// Progress may be drawn: on a terminal the program does not write to.
+    draw: bool,
 }
 
 impl Recording {
@@ -252,6 +254,7 @@ impl Recording {
             records,
             clock: Instant::now(),
             progress: Arc::new(Progress::default()),
+            draw: terminal_free(pid),
         })
     }
 
@@ -268,7 +271,7 @@ impl Recording {
     /// Run the tracer to its end, with the progress line and memptrace's own
     /// signals live meanwhile.
     fn trace(&self, tracer: Tracer) -> Result<(Ending, TraceStats, PipelineHandle), Error> {
-        let line = ProgressLine::start(self.progress.clone());
+        let line = ProgressLine::start(self.progress.clone(), self.draw);
         signals::unblock_here(Duration::from_millis(100))?;
         let traced = tracer.run();
         signals::quiesce();
@@ -293,7 +296,7 @@ impl Recording {
         pipeline: PipelineHandle,
     ) -> Result<(), Error> {
         let result = pipeline.finish()?;
-        symbolize(&result, &self.records)?;
+        symbolize(&result, &self.records, self.draw)?;
         let mut end = vec![
             ("ended_at", rfc3339(SystemTime::now())),
             ("exit_status", status.to_string()),
@@ -328,6 +331,23 @@ impl Recording {
         self.recorder.finish()?;
         Ok(())
     }
+}
+
+/// True when memptrace's stderr is a terminal that neither the stdout nor
+/// the stderr of process `pid` writes to: progress drawn there cannot touch
+/// the program's output (see `progress`). A launched program inherits
+/// memptrace's stderr, so this is false for it whenever stderr is a terminal.
+fn terminal_free(pid: i32) -> bool {
+    use std::io::IsTerminal;
+    let ours = if std::io::stderr().is_terminal() {
+        procfs::terminal_of(std::process::id() as i32, 2)
+            .ok()
+            .flatten()
+    } else {
+        None
+    };
+    let program = [procfs::terminal_of(pid, 1), procfs::terminal_of(pid, 2)];
+    crate::progress::may_draw(ours, &program)
 }
 
 /// Create the database, refusing to mix a new trace into an existing file.
@@ -389,7 +409,7 @@ fn discard(output: &Path) {
 }
 
 /// Name every unique frame once: group by image, ask the symbolizer.
-fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Error> {
+fn symbolize(result: &PipelineResult, records: &RecordSender, draw: bool) -> Result<(), Error> {
     let mut by_module: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
     for frame in &result.frames {
         if let Some(module) = frame.module_id {
@@ -402,7 +422,7 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
     let mut symbolizer = Symbolizer::new();
     // A bar on a terminal: a program with large debug info takes seconds.
     let total: usize = by_module.values().map(Vec::len).sum();
-    let bar = crate::progress::bar(total as u64, "naming code addresses");
+    let bar = crate::progress::bar_if(draw, total as u64, "naming code addresses");
     for (module_id, frames) in by_module {
         let Some(module) = result.modules.get(&module_id) else {
             bar.inc(frames.len() as u64);

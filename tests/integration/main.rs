@@ -20,3 +20,4 @@ mod returns;
 mod sampling;
 mod stacks;
 mod support;
+mod terminal;

@@ -92,29 +92,3 @@ fn traces_programs_found_in_path() {
     assert!(t.int("SELECT count(*) FROM events WHERE op = 'malloc'") > 0);
     assert!(t.run.stdout.contains("usr"));
 }
-
-/// On a terminal, a progress line with events, events per second and live
-/// heap bytes (run under script(1), which gives memptrace a pseudo-terminal).
-/// On a pipe, nothing: every other test checks that stderr stays empty.
-#[test]
-fn progress_line_on_a_terminal() {
-    let dir = scratch("progress");
-    let db = dir.join("trace.db");
-    // The line is drawn every 200 ms: the program runs for longer.
-    let command = format!(
-        "{} -o {} -- sleep 0.8",
-        env!("CARGO_BIN_EXE_memptrace"),
-        db.display(),
-    );
-    let out = run(
-        std::process::Command::new("script").args(["-qec", &command, "/dev/null"]),
-        b"",
-    );
-    assert_eq!(out.code(), 0, "{}", out.stdout);
-    let line = out
-        .stdout
-        .split(['\r', '\n'])
-        .find(|l| l.contains("memptrace: ") && l.contains(" events, "))
-        .unwrap_or_else(|| panic!("no progress line in {:?}", out.stdout));
-    assert!(line.contains("/s, ") && line.contains(" live"), "{line}");
-}
