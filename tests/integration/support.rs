@@ -259,11 +259,6 @@ pub fn spawn(cmd: &mut Command, input: &[u8]) -> Running {
 }
 
 impl Running {
-    /// True while the command runs.
-    pub fn running(&mut self) -> bool {
-        self.child.0.try_wait().unwrap().is_none()
-    }
-
     /// Wait for the end, within the time limit.
     pub fn finish(mut self) -> Run {
         let deadline = Instant::now() + TIME_LIMIT;
