@@ -92,6 +92,9 @@ pub struct ViewArgs {
     /// When to colour the text.
     #[arg(long, value_enum, default_value_t = ColorArg::Auto)]
     pub color: ColorArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -115,6 +118,9 @@ pub struct FlamegraphArgs {
     /// What each stack is weighed by.
     #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
     pub metric: MetricArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -149,6 +155,9 @@ pub struct ExportArgs {
     /// What the folded stacks are weighed by.
     #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
     pub metric: MetricArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -289,6 +298,21 @@ pub struct TraceArgs {
     /// are released unharmed).
     #[arg(short = 'f', long)]
     pub follow_forks: bool,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
+}
+
+/// The user's allocator wrappers, for a trace and for the reports.
+#[derive(Debug, Clone, Default, Args)]
+pub struct WrapperArgs {
+    /// A function that allocates on behalf of its caller (xmalloc,
+    /// g_malloc, Perl_safesysmalloc...): a regular expression searched in
+    /// demangled function names, such as '^xmalloc$'. Its callers are the
+    /// call sites (view call_sites, report, flame graphs), as for operator
+    /// new and the other built-in wrappers. Repeat it for more.
+    #[arg(long = "wrapper", value_name = "REGEX", value_parser = crate::wrappers::check)]
+    pub wrappers: Vec<String>,
 }
 
 impl TraceArgs {
@@ -309,6 +333,9 @@ impl TraceArgs {
             no_stacks: self.no_stacks || after.no_stacks,
             stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
             follow_forks: self.follow_forks || after.follow_forks,
+            wrappers: WrapperArgs {
+                wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
+            },
         };
         if merged.no_stacks && merged.stack_every.is_some() {
             return Err("--no-stacks and --stack-every cannot be used together".to_string());
@@ -389,6 +416,8 @@ pub struct TraceConfig {
     /// Take a full stack for every Nth call of each call site (1: all).
     pub stack_every: u64,
     pub follow_forks: bool,
+    /// The user's allocator wrappers (regular expressions).
+    pub wrappers: Vec<String>,
 }
 
 impl From<TraceArgs> for TraceConfig {
@@ -404,6 +433,7 @@ impl From<TraceArgs> for TraceConfig {
             stacks: !a.no_stacks,
             stack_every: a.stack_every.unwrap_or(1),
             follow_forks: a.follow_forks,
+            wrappers: a.wrappers.wrappers,
         }
     }
 }
@@ -422,6 +452,7 @@ impl From<ViewArgs> for ReportOptions {
             },
             top: v.top as usize,
             frames: v.frames as usize,
+            wrappers: v.wrappers.wrappers,
         }
     }
 }
@@ -470,6 +501,9 @@ impl Cli {
             if self.duration.is_some() && name != "attach" {
                 given.push("--duration");
             }
+            if name == "plot" && !self.trace.wrappers.wrappers.is_empty() {
+                given.push("--wrapper");
+            }
             if name != "attach" && !given.is_empty() {
                 return Err(usage(format!(
                     "{} before `{name}`: options of a trace go with `memptrace [OPTIONS] -- PROGRAM` or `memptrace attach PID [OPTIONS]`",
@@ -482,6 +516,9 @@ impl Cli {
                     .to_string(),
             ));
         }
+        // --wrapper before a report command is the report's.
+        let before = self.trace.wrappers.wrappers.clone();
+        let with_before = |after: Vec<String>| [before.clone(), after].concat();
         Ok(match self.command {
             None => Config::Launch {
                 trace: self.trace.into(),
@@ -499,15 +536,19 @@ impl Cli {
                     duration,
                 }
             }
-            Some(Command::Report(a)) => Config::Report {
+            Some(Command::Report(mut a)) => Config::Report {
                 trace: a.file.trace,
-                options: a.view.into(),
+                options: {
+                    a.view.wrappers.wrappers = with_before(a.view.wrappers.wrappers);
+                    a.view.into()
+                },
             },
             Some(Command::Flamegraph(a)) => Config::Flamegraph {
                 trace: a.file.trace,
                 options: FlamegraphOptions {
                     output: a.output,
                     metric: a.metric.into(),
+                    wrappers: with_before(a.wrappers.wrappers),
                 },
             },
             Some(Command::Plot(a)) => Config::Plot {
@@ -524,14 +565,18 @@ impl Cli {
                     pprof: a.pprof,
                     collapsed: a.collapsed,
                     metric: a.metric.into(),
+                    wrappers: with_before(a.wrappers.wrappers),
                 },
             },
-            Some(Command::Window(a)) => Config::Window {
+            Some(Command::Window(mut a)) => Config::Window {
                 trace: a.file.trace,
                 options: WindowOptions {
                     from_ns: a.from,
                     to_ns: a.to,
-                    report: a.view.into(),
+                    report: {
+                        a.view.wrappers.wrappers = with_before(a.view.wrappers.wrappers);
+                        a.view.into()
+                    },
                 },
             },
         })
@@ -764,7 +809,8 @@ mod tests {
                 format: Format::Text,
                 color: Color::Auto,
                 top: 5,
-                frames: 8
+                frames: 8,
+                wrappers: Vec::new(),
             }
         );
         let Ok(Config::Report { trace, options }) = parse(&[
@@ -789,11 +835,38 @@ mod tests {
                 format: Format::Json,
                 color: Color::Never,
                 top: 3,
-                frames: 2
+                frames: 2,
+                wrappers: Vec::new(),
             }
         );
         assert!(parse(&["memptrace", "report", "--top", "0"]).is_err());
         assert!(parse(&["memptrace", "report", "--format", "xml"]).is_err());
+        // --wrapper, before the command or after it, repeatable.
+        let Ok(Config::Report { options, .. }) = parse(&[
+            "memptrace",
+            "--wrapper",
+            "^xmalloc$",
+            "report",
+            "--wrapper",
+            "g_malloc",
+        ]) else {
+            panic!("not a report");
+        };
+        assert_eq!(options.wrappers, ["^xmalloc$", "g_malloc"]);
+        assert!(parse(&["memptrace", "report", "--wrapper", "("]).is_err());
+        assert!(parse(&["memptrace", "--wrapper", "x", "plot"]).is_err());
+        let Ok(Config::Attach { trace, .. }) = parse(&[
+            "memptrace",
+            "--wrapper",
+            "a",
+            "attach",
+            "1",
+            "--wrapper",
+            "b",
+        ]) else {
+            panic!("not an attach");
+        };
+        assert_eq!(trace.wrappers, ["a", "b"]);
         // A program called `report` is still a program after `--`.
         assert!(matches!(
             parse(&["memptrace", "--", "report"]),

@@ -41,6 +41,10 @@ pub enum Error {
         source: io::Error,
     },
 
+    // --- the options ---
+    #[error("a --wrapper is not a regular expression")]
+    Wrapper(#[source] regex::Error),
+
     // --- the output ---
     #[error("{}: already exists; choose another file with -o, or replace it with --force", .0.display())]
     OutputExists(PathBuf),

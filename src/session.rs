@@ -24,6 +24,7 @@ use crate::symbols::symbolize::Symbolizer;
 use crate::tracer::{Ending, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
+use crate::wrappers::Wrappers;
 
 /// Run a config; returns memptrace's exit status.
 pub fn run(config: Config) -> Result<i32, Error> {
@@ -64,6 +65,7 @@ pub fn run(config: Config) -> Result<i32, Error> {
 }
 
 fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
+    let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     let program = program::resolve(&args[0])?;
     program::check(&program)?;
     let command = args
@@ -105,11 +107,12 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         }
     }
     let status = exit_status(&ending);
-    recording.finish(&ending, status, &stats, pipeline)?;
+    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
     Ok(status)
 }
 
 fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i32, Error> {
+    let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
     }
@@ -153,7 +156,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         Ending::Detached { .. } => 0,
         _ => exit_status(&ending),
     };
-    recording.finish(&ending, status, &stats, pipeline)?;
+    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
     Ok(status)
 }
 
@@ -220,7 +223,9 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
     ];
     let written = meta
         .into_iter()
-        .try_for_each(|(key, value)| sink.write(&meta_record(key, value)))
+        .map(|(key, value)| meta_record(key, value))
+        .chain(numbered_rows("wrapper", &config.wrappers))
+        .try_for_each(|record| sink.write(&record))
         .and_then(|()| sink.commit());
     if let Err(source) = written {
         drop(sink);
@@ -294,9 +299,10 @@ impl Recording {
         status: i32,
         stats: &TraceStats,
         pipeline: PipelineHandle,
+        wrappers: &Wrappers,
     ) -> Result<(), Error> {
         let result = pipeline.finish()?;
-        symbolize(&result, &self.records, self.draw)?;
+        symbolize(&result, &self.records, wrappers, self.draw)?;
         let mut end = vec![
             ("ended_at", rfc3339(SystemTime::now())),
             ("exit_status", status.to_string()),
@@ -325,7 +331,7 @@ impl Recording {
             eprintln!("memptrace: warning: {warning}");
         }
         let mut rows: Vec<Record> = end.into_iter().map(|(k, v)| meta_record(k, v)).collect();
-        rows.extend(warning_rows(&warnings));
+        rows.extend(numbered_rows("warning", &warnings));
         self.records.send(rows)?;
         drop(self.records);
         self.recorder.finish()?;
@@ -408,8 +414,14 @@ fn discard(output: &Path) {
     }
 }
 
-/// Name every unique frame once: group by image, ask the symbolizer.
-fn symbolize(result: &PipelineResult, records: &RecordSender, draw: bool) -> Result<(), Error> {
+/// Name every unique frame once: group by image, ask the symbolizer; and
+/// mark the frames that are part of the allocator (`frames.wrapper`).
+fn symbolize(
+    result: &PipelineResult,
+    records: &RecordSender,
+    wrappers: &Wrappers,
+    draw: bool,
+) -> Result<(), Error> {
     let mut by_module: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
     for frame in &result.frames {
         if let Some(module) = frame.module_id {
@@ -439,12 +451,22 @@ fn symbolize(result: &PipelineResult, records: &RecordSender, draw: bool) -> Res
             .collect();
         let path = module.path.trim_end_matches(" (deleted)");
         let names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
+        let file = crate::report::stacks::file_name(&module.path);
         let batch: Vec<Record> = frames
             .iter()
             .zip(names)
-            .filter(|(_, lines)| !lines.is_empty())
-            .map(|(&(frame_id, _), lines)| {
-                Record::Symbols(crate::sink::FrameSymbols { frame_id, lines })
+            .filter_map(|(&(frame_id, _), lines)| {
+                // The function whose machine code holds the call: the
+                // outermost line.
+                let function = lines.last().and_then(|l| l.function.as_deref());
+                let wrapper = wrappers.is_allocator_frame(Some(file), function);
+                (wrapper || !lines.is_empty()).then_some(Record::Symbols(
+                    crate::sink::FrameSymbols {
+                        frame_id,
+                        lines,
+                        wrapper,
+                    },
+                ))
             })
             .collect();
         records.send(batch)?;
@@ -454,13 +476,13 @@ fn symbolize(result: &PipelineResult, records: &RecordSender, draw: bool) -> Res
     Ok(())
 }
 
-/// Every warning of a trace as a `meta` row of its own: `warning.1`,
-/// `warning.2`, ... in the order they were given.
-fn warning_rows(warnings: &[String]) -> Vec<Record> {
-    warnings
+/// Values of one kind as `meta` rows of their own, numbered in order:
+/// `warning.1`, `warning.2`, ... (`meta`'s key is its primary key).
+fn numbered_rows(kind: &str, values: &[String]) -> Vec<Record> {
+    values
         .iter()
         .enumerate()
-        .map(|(i, w)| meta_record(&format!("warning.{}", i + 1), w.clone()))
+        .map(|(i, v)| meta_record(&format!("{kind}.{}", i + 1), v.clone()))
         .collect()
 }
 
@@ -541,8 +563,8 @@ mod tests {
     }
 
     #[test]
-    fn warnings_are_numbered_meta_rows() {
-        let rows = warning_rows(&["first".to_string(), "second".to_string()]);
+    fn warnings_and_wrappers_are_numbered_meta_rows() {
+        let rows = numbered_rows("warning", &["first".to_string(), "second".to_string()]);
         assert_eq!(
             rows,
             [
@@ -550,7 +572,7 @@ mod tests {
                 meta_record("warning.2", "second".into())
             ]
         );
-        assert!(warning_rows(&[]).is_empty());
+        assert!(numbered_rows("warning", &[]).is_empty());
     }
 
     #[test]

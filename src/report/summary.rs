@@ -17,6 +17,9 @@ pub struct Summary {
     pub functions: Vec<FunctionRow>,
     pub heap: HeapTotals,
     pub top: Rankings,
+    /// Every function that called the allocator (a call site's function),
+    /// most bytes first.
+    pub callers: Vec<CallerRow>,
     pub threads: Vec<ThreadRow>,
     pub modules: Vec<ModuleRow>,
 }
@@ -127,6 +130,19 @@ pub struct ThreadRow {
     pub totals: ThreadStats,
 }
 
+/// What one function allocated through the allocator: the stacks whose
+/// caller it is (their call site's function, see [`super::stacks`]) added
+/// up. Functions of the same name in several modules are one row each.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CallerRow {
+    /// The function, `module+0xoffset` when it has no name, or `[no stack]`.
+    pub function: String,
+    /// Its module's file name.
+    pub module: Option<String>,
+    #[serde(flatten)]
+    pub totals: StackStats,
+}
+
 /// What the allocations charged to one module add up to (see
 /// [`super::stacks`] for the rule).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -221,6 +237,7 @@ impl Summary {
             functions,
             heap,
             top: rankings,
+            callers: callers(analysis, table),
             threads: threads(trace, analysis)?,
             modules: modules(analysis, table),
         })
@@ -258,6 +275,35 @@ fn threads(trace: &Trace, analysis: &Analysis) -> Result<Vec<ThreadRow>, ReportE
             .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
     });
     Ok(out)
+}
+
+fn callers(analysis: &Analysis, table: &StackTable) -> Vec<CallerRow> {
+    let mut by_name: HashMap<(String, Option<String>), CallerRow> = HashMap::new();
+    for (stack, s) in &analysis.stacks {
+        let (function, module) = match table.caller(*stack) {
+            Some(l) => (l.function, l.module),
+            None => ("[no stack]".to_string(), None),
+        };
+        by_name
+            .entry((function.clone(), module.clone()))
+            .or_insert_with(|| CallerRow {
+                function,
+                module,
+                ..CallerRow::default()
+            })
+            .totals
+            .add(*s);
+    }
+    let mut rows: Vec<CallerRow> = by_name
+        .into_values()
+        .filter(|c| c.totals.calls > 0)
+        .collect();
+    rows.sort_by(|a, b| {
+        (b.totals.bytes, b.totals.calls)
+            .cmp(&(a.totals.bytes, a.totals.calls))
+            .then((&a.function, &a.module).cmp(&(&b.function, &b.module)))
+    });
+    rows
 }
 
 fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {

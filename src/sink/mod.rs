@@ -75,6 +75,10 @@ pub struct SourceLine {
 pub struct FrameSymbols {
     pub frame_id: u64,
     pub lines: Vec<SourceLine>,
+    /// The frame is part of the allocator: its module is the allocator's
+    /// library, or its function one of the allocator's wrappers
+    /// ([`crate::wrappers`]).
+    pub wrapper: bool,
 }
 
 /// Everything a sink stores, in the order it must be stored: a module, frame or

@@ -21,3 +21,4 @@ mod sampling;
 mod stacks;
 mod support;
 mod terminal;
+mod wrappers;
