@@ -294,14 +294,26 @@ fn callers(analysis: &Analysis, table: &StackTable) -> Vec<CallerRow> {
             .totals
             .add(*s);
     }
-    let mut rows: Vec<CallerRow> = by_name
-        .into_values()
-        .filter(|c| c.totals.calls > 0)
-        .collect();
+    largest_first(
+        by_name.into_values(),
+        |c| &c.totals,
+        |c| (c.function.clone(), c.module.clone()),
+    )
+}
+
+/// The rows that allocated, most bytes first, then most calls, then by
+/// `key`: the same trace always gives the same order.
+fn largest_first<T, K: Ord>(
+    rows: impl Iterator<Item = T>,
+    totals: impl Fn(&T) -> &StackStats,
+    key: impl Fn(&T) -> K,
+) -> Vec<T> {
+    let mut rows: Vec<T> = rows.filter(|r| totals(r).calls > 0).collect();
     rows.sort_by(|a, b| {
-        (b.totals.bytes, b.totals.calls)
-            .cmp(&(a.totals.bytes, a.totals.calls))
-            .then((&a.function, &a.module).cmp(&(&b.function, &b.module)))
+        let (ta, tb) = (totals(a), totals(b));
+        (tb.bytes, tb.calls)
+            .cmp(&(ta.bytes, ta.calls))
+            .then(key(a).cmp(&key(b)))
     });
     rows
 }
@@ -318,14 +330,5 @@ fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {
         });
         row.totals.add(*s);
     }
-    let mut rows: Vec<ModuleRow> = by_name
-        .into_values()
-        .filter(|m| m.totals.calls > 0)
-        .collect();
-    rows.sort_by(|a, b| {
-        (b.totals.bytes, b.totals.calls)
-            .cmp(&(a.totals.bytes, a.totals.calls))
-            .then(a.module.cmp(&b.module))
-    });
-    rows
+    largest_first(by_name.into_values(), |m| &m.totals, |m| m.module.clone())
 }

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::io::IsTerminal;
 
 use super::Color;
+use super::scan::StackStats;
 use super::stacks::{Location, file_name};
 use super::summary::{StackRow, Summary};
 
@@ -282,6 +283,47 @@ fn ranking(
     }
 }
 
+/// A table of totals under a heading, one row per name: calls, bytes
+/// allocated, at the peak and leaked, temporary blocks; the first `top`
+/// rows, and how many more there are. `names` is the first column's title
+/// and the rows' plural.
+fn totals_table(
+    style: Style,
+    heading: &str,
+    names: (&str, &str),
+    rows: impl ExactSizeIterator<Item = (String, [u64; 5])>,
+    top: usize,
+    out: &mut String,
+) {
+    let _ = writeln!(out, "\n{}", style.heading(heading));
+    let total = rows.len();
+    let mut table = Table::new(&[
+        names.0,
+        "calls",
+        "allocated",
+        "at peak",
+        "leaked",
+        "temporary",
+    ]);
+    for (name, [calls, allocated, peak, leaked, temporary]) in rows.take(top) {
+        table.row(vec![
+            name,
+            count(calls),
+            bytes(allocated),
+            bytes(peak),
+            bytes(leaked),
+            count(temporary),
+        ]);
+    }
+    table.render(style, out);
+    more(style, total, top, names.1, out);
+}
+
+/// The columns of [`totals_table`] for the totals of some stacks.
+fn columns(t: &StackStats) -> [u64; 5] {
+    [t.calls, t.bytes, t.peak_bytes, t.leaked_bytes, t.temporary]
+}
+
 /// `Top 5 stacks`, `Top stack`.
 fn top_stacks(top: usize) -> String {
     if top == 1 {
@@ -395,31 +437,17 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     ]);
     table.render(style, &mut out);
 
-    let _ = writeln!(
-        out,
-        "\n{}",
-        style.heading("Callers (the first frame outside the allocator and its wrappers)")
+    totals_table(
+        style,
+        "Callers (the first frame outside the allocator and its wrappers)",
+        ("function", "callers"),
+        summary
+            .callers
+            .iter()
+            .map(|c| (shortened(&c.function, 60), columns(&c.totals))),
+        top,
+        &mut out,
     );
-    let mut table = Table::new(&[
-        "function",
-        "calls",
-        "allocated",
-        "at peak",
-        "leaked",
-        "temporary",
-    ]);
-    for c in summary.callers.iter().take(top) {
-        table.row(vec![
-            shortened(&c.function, 60),
-            count(c.totals.calls),
-            bytes(c.totals.bytes),
-            bytes(c.totals.peak_bytes),
-            bytes(c.totals.leaked_bytes),
-            count(c.totals.temporary),
-        ]);
-    }
-    table.render(style, &mut out);
-    more(style, summary.callers.len(), top, "callers", &mut out);
 
     let r = &summary.top;
     ranking(
@@ -479,54 +507,30 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         &mut out,
     );
 
-    let _ = writeln!(out, "\n{}", style.heading("Threads"));
-    let mut table = Table::new(&[
-        "thread",
-        "calls",
-        "allocated",
-        "at peak",
-        "leaked",
-        "temporary",
-    ]);
-    for th in summary.threads.iter().take(top) {
-        let name = th.name.as_deref().unwrap_or("");
-        table.row(vec![
-            format!("{} {name}", th.tid),
-            count(th.totals.calls),
-            bytes(th.totals.bytes),
-            bytes(th.totals.peak_bytes),
-            bytes(th.totals.leaked_bytes),
-            count(th.totals.temporary),
-        ]);
-    }
-    table.render(style, &mut out);
-    more(style, summary.threads.len(), top, "threads", &mut out);
-
-    let _ = writeln!(
-        out,
-        "\n{}",
-        style.heading("Modules (each allocation charged to its first frame outside the allocator)")
+    totals_table(
+        style,
+        "Threads",
+        ("thread", "threads"),
+        summary.threads.iter().map(|th| {
+            let t = &th.totals;
+            let name = th.name.as_deref().unwrap_or("");
+            let totals = [t.calls, t.bytes, t.peak_bytes, t.leaked_bytes, t.temporary];
+            (format!("{} {name}", th.tid), totals)
+        }),
+        top,
+        &mut out,
     );
-    let mut table = Table::new(&[
-        "module",
-        "calls",
-        "allocated",
-        "at peak",
-        "leaked",
-        "temporary",
-    ]);
-    for m in summary.modules.iter().take(top) {
-        table.row(vec![
-            m.module.clone(),
-            count(m.totals.calls),
-            bytes(m.totals.bytes),
-            bytes(m.totals.peak_bytes),
-            bytes(m.totals.leaked_bytes),
-            count(m.totals.temporary),
-        ]);
-    }
-    table.render(style, &mut out);
-    more(style, summary.modules.len(), top, "modules", &mut out);
+    totals_table(
+        style,
+        "Modules (each allocation charged to its first frame outside the allocator)",
+        ("module", "modules"),
+        summary
+            .modules
+            .iter()
+            .map(|m| (m.module.clone(), columns(&m.totals))),
+        top,
+        &mut out,
+    );
     out
 }
 

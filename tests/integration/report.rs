@@ -273,6 +273,15 @@ fn phase_b(t: &Trace) -> (u64, u64) {
     (from, to)
 }
 
+/// `memptrace window` around phase B, with `extra` options.
+fn window_of_phase_b(t: &Trace, extra: &[&str]) -> Run {
+    let (from, to) = phase_b(t);
+    let (from, to) = (format!("{from}ns"), format!("{to}ns"));
+    let mut args = vec!["window", path_str(&t.path), "--from", &from, "--to", &to];
+    args.extend_from_slice(extra);
+    memptrace_ok(&args)
+}
+
 /// A copy of a tracee at a path of the same length on every machine and
 /// checkout: static glibc allocates a copy of the program's directory at
 /// start-up (`_dl_get_origin`), so byte counts depend on its length.
@@ -318,15 +327,7 @@ fn report_text_golden() {
         }
         golden("report-phases-dynamic.txt", &text);
         dynamic = text;
-        let (from, to) = phase_b(&t);
-        let out = memptrace_ok(&[
-            "window",
-            path_str(&t.path),
-            "--from",
-            &format!("{from}ns"),
-            "--to",
-            &format!("{to}ns"),
-        ]);
+        let out = window_of_phase_b(&t, &[]);
         golden(
             "window-phases-dynamic.txt",
             &normalise(&out.stdout, &t, &program),
@@ -340,18 +341,7 @@ fn report_text_golden() {
 fn window_classes_match_the_truth(variant: Variant) {
     let t = phases(variant);
     let (from, to) = phase_b(&t);
-    let r = memptrace_ok(&[
-        "window",
-        path_str(&t.path),
-        "--from",
-        &format!("{from}ns"),
-        "--to",
-        &format!("{to}ns"),
-        "--format",
-        "json",
-        "--top",
-        "1000",
-    ]);
+    let r = window_of_phase_b(&t, &["--format", "json", "--top", "1000"]);
     let w: Value = serde_json::from_str(&r.stdout).unwrap();
     // (class, function) -> (blocks, bytes), from the report.
     let mut found: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
