@@ -27,6 +27,7 @@
 //! - **calls** of a stack: calls to the allocating functions (all but `free`).
 
 pub mod flame;
+pub mod listing;
 pub mod plot;
 pub mod pprof;
 mod run;
