@@ -79,6 +79,8 @@ pub enum Error {
         "process {0}: no allocator symbol (malloc, free, ...) in any of its images (a stripped static binary?); nothing to trace, the process was left as it was"
     )]
     NoAllocatorInProcess(i32),
+    #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]
+    AttachAbandoned { pid: i32, reason: String },
 
     // --- while tracing ---
     #[error(transparent)]

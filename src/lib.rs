@@ -16,10 +16,13 @@
 //! [`report`] reads a trace database back (read-only): text and JSON
 //! summaries, flame graphs, plots, pprof profiles and time windows.
 
+#![deny(unsafe_code)]
+
 pub mod addr;
 pub mod cli;
 pub mod error;
 pub mod event;
+pub mod memory;
 pub mod os;
 pub mod program;
 pub mod progress;

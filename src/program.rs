@@ -56,8 +56,17 @@ pub fn check(path: &Path) -> Result<(), Error> {
     }
     check_header(head).map_err(|e| elf_error(path, e))?;
     let bytes = fs::read(path).map_err(|e| not_exec(&e.to_string()))?;
+    check_image(path, &bytes)
+}
+
+/// Refuse an ELF image memptrace could not hook: not x86-64, or a static
+/// executable without a single allocator function to hook. `path` names it
+/// in the error; `bytes` is its content (a running process's image is read
+/// through /proc/PID/exe, which works for deleted files too).
+pub fn check_image(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+    check_header(bytes).map_err(|e| elf_error(path, e))?;
     let image =
-        ElfImage::parse(&path.display().to_string(), &bytes).map_err(|e| elf_error(path, e))?;
+        ElfImage::parse(&path.display().to_string(), bytes).map_err(|e| elf_error(path, e))?;
     if image.interpreter.is_none() && image.allocators.is_empty() {
         return Err(Error::NoAllocator(path.to_path_buf()));
     }

@@ -19,12 +19,16 @@ use crate::program;
 use crate::progress::ProgressLine;
 use crate::report;
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
-use crate::symbols::elf::{ElfError, check_header};
 use crate::symbols::symbolize::Symbolizer;
-use crate::tracer::{Ending, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name};
+use crate::tracer::{
+    Ending, ProbeMode, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name,
+};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
 use crate::wrappers::Wrappers;
+
+/// How often the tracer looks at its signals and flushes its records.
+const TICK: Duration = Duration::from_millis(100);
 
 /// Run a config; returns memptrace's exit status.
 pub fn run(config: Config) -> Result<i32, Error> {
@@ -116,26 +120,20 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
     }
+    // The same checks as a launch, before the process is touched: a static
+    // executable with nothing to hook is refused without stopping it.
     if let Some(exe) = procfs::exe(pid) {
-        let mut head = [0u8; 64];
-        let n = std::fs::File::open(&exe)
-            .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
-            .unwrap_or(0);
-        match check_header(&head[..n]) {
-            Err(ElfError::Not64Bit) => return Err(Error::Not64Bit(exe)),
-            Err(err @ ElfError::WrongMachine(_)) => {
-                return Err(Error::WrongMachine {
-                    path: exe,
-                    reason: err.to_string(),
-                });
-            }
-            _ => {}
+        if let Ok(bytes) = std::fs::read(format!("/proc/{pid}/exe")) {
+            program::check_image(&exe, &bytes)?;
         }
     }
     let command = procfs::cmdline(pid).unwrap_or_default();
     let sink = start_output(&config, &command, "attach")?;
     signals::install()?;
     let recording = Recording::start(sink, pid)?;
+    // Ctrl-C, SIGTERM and the tick are live while attaching too: an attach
+    // that cannot finish gives up and lets the process go.
+    signals::unblock_here(TICK)?;
     let tracer = match Tracer::attach(
         options(&config, duration),
         recording.pipeline(&config),
@@ -145,6 +143,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     ) {
         Ok(tracer) => tracer,
         Err(err) => {
+            signals::quiesce();
             recording.abandon(&config.output);
             return Err(attach_error(err));
         }
@@ -192,12 +191,14 @@ fn attach_error(err: TraceError) -> Error {
             tracer: None,
         } => Error::AttachDenied { pid, source },
         TraceError::NoAllocator(pid) => Error::NoAllocatorInProcess(pid),
+        TraceError::AttachAbandoned { pid, reason } => Error::AttachAbandoned { pid, reason },
         other => Error::Trace(other),
     }
 }
 
 fn options(config: &TraceConfig, duration: Option<Duration>) -> TraceOptions {
     TraceOptions {
+        probes: config.probes,
         max_depth: config.max_depth,
         unwinder: config.unwinder,
         stacks: config.stacks,
@@ -220,6 +221,7 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         ("max_depth", config.max_depth.to_string()),
         ("stack_every", config.stack_every.to_string()),
         ("follow_forks", config.follow_forks.to_string()),
+        ("probes", probes_name(config).to_string()),
     ];
     let written = meta
         .into_iter()
@@ -277,7 +279,7 @@ impl Recording {
     /// signals live meanwhile.
     fn trace(&self, tracer: Tracer) -> Result<(Ending, TraceStats, PipelineHandle), Error> {
         let line = ProgressLine::start(self.progress.clone(), self.draw);
-        signals::unblock_here(Duration::from_millis(100))?;
+        signals::unblock_here(TICK)?;
         let traced = tracer.run();
         signals::quiesce();
         line.finish();
@@ -313,6 +315,9 @@ impl Recording {
             ("nested_calls", stats.nested_calls.to_string()),
             ("lost_returns", stats.lost_returns.to_string()),
             ("copy_faults", stats.copy_faults.to_string()),
+            ("walk_faults", stats.walk_faults.to_string()),
+            ("truncated_stacks", stats.truncated_stacks.to_string()),
+            ("skipped_records", stats.skipped_records.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {
@@ -321,6 +326,11 @@ impl Recording {
         if let Ending::Killed { sig, .. } = ending {
             end.push(("exit_signal", signal_name(*sig)));
         }
+        let probes: Vec<(String, String)> = stats
+            .probes
+            .iter()
+            .map(|(function, how)| (format!("probe.{function}"), how.clone()))
+            .collect();
         let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {
             warnings
@@ -330,8 +340,16 @@ impl Recording {
         for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }
-        let mut rows: Vec<Record> = end.into_iter().map(|(k, v)| meta_record(k, v)).collect();
-        rows.extend(numbered_rows("warning", &warnings));
+        let rows = end
+            .into_iter()
+            .map(|(k, v)| meta_record(k, v))
+            .chain(
+                probes
+                    .into_iter()
+                    .map(|(k, v)| Record::Meta { key: k, value: v }),
+            )
+            .chain(numbered_rows("warning", &warnings))
+            .collect();
         self.records.send(rows)?;
         drop(self.records);
         self.recorder.finish()?;
@@ -490,6 +508,16 @@ fn meta_record(key: &str, value: String) -> Record {
     Record::Meta {
         key: key.to_string(),
         value,
+    }
+}
+
+/// The probes a trace uses: libunwind walks a stopped thread's stack, so
+/// it takes int3 probes whatever `--probes` says.
+fn probes_name(config: &TraceConfig) -> &'static str {
+    if config.stacks && config.unwinder == UnwinderKind::Libunwind {
+        ProbeMode::Int3.name()
+    } else {
+        config.probes.name()
     }
 }
 

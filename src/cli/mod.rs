@@ -12,6 +12,7 @@ use crate::report::{
     Color, ExportOptions, FlamegraphOptions, Format, Metric, PlotOptions, ReportOptions,
     WindowOptions,
 };
+use crate::tracer::ProbeMode;
 use crate::unwind::UnwinderKind;
 
 #[derive(Debug, Parser)]
@@ -299,8 +300,22 @@ pub struct TraceArgs {
     #[arg(short = 'f', long)]
     pub follow_forks: bool,
 
+    /// How calls are caught: recorded inside the program with no stop
+    /// (jump), or with a ptrace stop each (int3, the reference) [default:
+    /// jump, or the environment's MEMPTRACE_PROBES].
+    #[arg(long, value_enum)]
+    pub probes: Option<ProbesArg>,
+
     #[command(flatten)]
     pub wrappers: WrapperArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProbesArg {
+    /// A jump to code that records the call in the program (default).
+    Jump,
+    /// A breakpoint and a ptrace stop per call.
+    Int3,
 }
 
 /// The user's allocator wrappers, for a trace and for the reports.
@@ -333,6 +348,7 @@ impl TraceArgs {
             no_stacks: self.no_stacks || after.no_stacks,
             stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
             follow_forks: self.follow_forks || after.follow_forks,
+            probes: once("--probes", self.probes, after.probes)?,
             wrappers: WrapperArgs {
                 wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
             },
@@ -354,6 +370,7 @@ impl TraceArgs {
             (self.no_stacks, "--no-stacks"),
             (self.stack_every.is_some(), "--stack-every"),
             (self.follow_forks, "--follow-forks"),
+            (self.probes.is_some(), "--probes"),
         ];
         for (given, name) in flags {
             if given {
@@ -416,12 +433,16 @@ pub struct TraceConfig {
     /// Take a full stack for every Nth call of each call site (1: all).
     pub stack_every: u64,
     pub follow_forks: bool,
+    pub probes: ProbeMode,
     /// The user's allocator wrappers (regular expressions).
     pub wrappers: Vec<String>,
 }
 
-impl From<TraceArgs> for TraceConfig {
-    fn from(a: TraceArgs) -> TraceConfig {
+impl TraceConfig {
+    /// The options of a trace with their defaults; `env_probes` is
+    /// `MEMPTRACE_PROBES`, used when `--probes` is not given (read once,
+    /// here, rather than by clap on both sides of `attach`).
+    fn new(a: TraceArgs, env_probes: Option<ProbesArg>) -> TraceConfig {
         TraceConfig {
             output: a.output.unwrap_or_else(|| PathBuf::from("trace.db")),
             force: a.force,
@@ -433,6 +454,10 @@ impl From<TraceArgs> for TraceConfig {
             stacks: !a.no_stacks,
             stack_every: a.stack_every.unwrap_or(1),
             follow_forks: a.follow_forks,
+            probes: match a.probes.or(env_probes).unwrap_or(ProbesArg::Jump) {
+                ProbesArg::Jump => ProbeMode::Jump,
+                ProbesArg::Int3 => ProbeMode::Int3,
+            },
             wrappers: a.wrappers.wrappers,
         }
     }
@@ -485,15 +510,28 @@ impl Cli {
     /// Parse the process's arguments; on a usage error print it as clap
     /// does and exit with status 2.
     pub fn config_from_args() -> Config {
-        Cli::parse().into_config().unwrap_or_else(|err| err.exit())
+        let env_probes = std::env::var("MEMPTRACE_PROBES").ok();
+        Cli::parse()
+            .into_config(env_probes.as_deref())
+            .unwrap_or_else(|err| err.exit())
     }
 
     /// The plain config. Options of a trace may come before `attach` as well
     /// as after it; before another subcommand they are a usage error.
-    pub fn into_config(self) -> Result<Config, clap::Error> {
+    /// `env_probes` is the value of `MEMPTRACE_PROBES`, if set.
+    pub fn into_config(self, env_probes: Option<&str>) -> Result<Config, clap::Error> {
         let usage = |message: String| {
             <Cli as clap::CommandFactory>::command()
                 .error(clap::error::ErrorKind::ArgumentConflict, message)
+        };
+        let env_probes = match env_probes {
+            Some(value) => Some(ProbesArg::from_str(value, true).map_err(|_| {
+                <Cli as clap::CommandFactory>::command().error(
+                    clap::error::ErrorKind::InvalidValue,
+                    format!("MEMPTRACE_PROBES={value:?}: give jump or int3"),
+                )
+            })?),
+            None => None,
         };
         if let Some(command) = &self.command {
             let name = command.name();
@@ -521,7 +559,7 @@ impl Cli {
         let with_before = |after: Vec<String>| [before.clone(), after].concat();
         Ok(match self.command {
             None => Config::Launch {
-                trace: self.trace.into(),
+                trace: TraceConfig::new(self.trace, env_probes),
                 program: self.program,
             },
             Some(Command::Attach(a)) => {
@@ -531,7 +569,7 @@ impl Cli {
                     (before, after) => before.or(after),
                 };
                 Config::Attach {
-                    trace: trace.into(),
+                    trace: TraceConfig::new(trace, env_probes),
                     pid: a.pid,
                     duration,
                 }

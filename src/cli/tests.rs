@@ -4,7 +4,7 @@ use super::*;
 use clap::CommandFactory;
 
 fn parse(args: &[&str]) -> Result<Config, clap::Error> {
-    Cli::try_parse_from(args).and_then(Cli::into_config)
+    Cli::try_parse_from(args).and_then(|cli| cli.into_config(None))
 }
 
 #[test]
@@ -209,6 +209,54 @@ fn trace_options_before_attach() {
     };
     assert_eq!(trace.output, PathBuf::from("x.db"));
     assert_eq!(program, [OsString::from("attach"), OsString::from("42")]);
+}
+
+/// --probes on either side of `attach`, MEMPTRACE_PROBES when it is not
+/// given (read once, not on both sides).
+#[test]
+fn probes_from_the_command_line_or_the_environment() {
+    let probes = |args: &[&str], env: Option<&str>| -> Result<ProbeMode, clap::Error> {
+        match Cli::try_parse_from(args)?.into_config(env)? {
+            Config::Launch { trace, .. } | Config::Attach { trace, .. } => Ok(trace.probes),
+            other => panic!("not a trace: {other:?}"),
+        }
+    };
+    let launch = ["memptrace", "--", "ls"];
+    assert_eq!(probes(&launch, None).unwrap(), ProbeMode::Jump);
+    assert_eq!(probes(&launch, Some("int3")).unwrap(), ProbeMode::Int3);
+    let explicit = ["memptrace", "--probes", "jump", "--", "ls"];
+    assert_eq!(probes(&explicit, Some("int3")).unwrap(), ProbeMode::Jump);
+    for args in [
+        &["memptrace", "--probes", "int3", "attach", "1"][..],
+        &["memptrace", "attach", "1", "--probes", "int3"],
+    ] {
+        assert_eq!(
+            probes(args, Some("jump")).unwrap(),
+            ProbeMode::Int3,
+            "{args:?}"
+        );
+        assert_eq!(probes(args, None).unwrap(), ProbeMode::Int3, "{args:?}");
+    }
+    assert_eq!(
+        probes(&["memptrace", "attach", "1"], Some("int3")).unwrap(),
+        ProbeMode::Int3
+    );
+    assert!(
+        probes(
+            &[
+                "memptrace",
+                "--probes",
+                "int3",
+                "attach",
+                "1",
+                "--probes",
+                "jump"
+            ],
+            None
+        )
+        .is_err()
+    );
+    assert!(probes(&launch, Some("magic")).is_err());
 }
 
 #[test]

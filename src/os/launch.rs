@@ -94,7 +94,7 @@ pub fn spawn(program: &Path, args: &[OsString]) -> io::Result<Launched> {
     if ret != pid || !libc::WIFSTOPPED(status) {
         return Err(io::Error::other("the child did not stop before exec"));
     }
-    if let Err(err) = ptrace::seize(pid) {
+    if let Err(err) = ptrace::seize(pid, ptrace::OPTIONS) {
         // SAFETY: kill our own child, which cannot be traced.
         unsafe {
             libc::kill(pid, libc::SIGKILL);

@@ -11,6 +11,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 
 use super::ptrace::Tid;
+use crate::memory::Memory;
 
 const PAGE: u64 = 4096;
 
@@ -116,23 +117,15 @@ pub fn read_mapped_into(pid: Tid, addr: u64, len: usize, out: &mut Vec<u8>) -> i
     Ok(())
 }
 
-/// Read exactly `buf.len()` bytes or fail.
-pub fn read_exact(pid: Tid, addr: u64, buf: &mut [u8]) -> io::Result<()> {
-    let n = read(pid, addr, buf)?;
-    if n == buf.len() {
-        Ok(())
-    } else {
-        Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("{addr:#x}: only {n} of {} bytes are mapped", buf.len()),
-        ))
-    }
-}
+/// The memory of a live process, read with process_vm_readv (no stop needed;
+/// page protections apply).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessMemory(pub Tid);
 
-pub fn read_u64(pid: Tid, addr: u64) -> io::Result<u64> {
-    let mut word = [0u8; 8];
-    read_exact(pid, addr, &mut word)?;
-    Ok(u64::from_le_bytes(word))
+impl Memory for ProcessMemory {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+        read(self.0, addr, buf)
+    }
 }
 
 /// Write to writable memory (a stack slot) in one system call.
@@ -176,9 +169,23 @@ impl CodeWriter {
     pub fn write(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
         self.file.write_all_at(bytes, addr)
     }
+}
 
-    pub fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.file.read_exact_at(buf, addr)
+/// Reads through /proc/PID/mem: code pages included, whatever their
+/// protection.
+impl Memory for CodeWriter {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], addr + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(err) if err.raw_os_error() == Some(libc::EIO) && done > 0 => break,
+                Err(err) if err.raw_os_error() == Some(libc::EIO) => return Ok(0),
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(done)
     }
 }
 

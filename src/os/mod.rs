@@ -5,9 +5,13 @@
 //! it can be tested without a live process. Functions here are thin: they do
 //! one kernel operation each and report errors as `io::Error` with the errno.
 
+#![allow(unsafe_code)]
+
 pub mod launch;
 pub mod libunwind;
+pub mod local;
 pub mod mem;
 pub mod procfs;
 pub mod ptrace;
+pub mod shared;
 pub mod signals;

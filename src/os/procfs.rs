@@ -86,6 +86,24 @@ fn parse_map_line(line: &str) -> Option<Mapping> {
     })
 }
 
+/// True when the kernel lets process `pid` read its fs base itself
+/// (`rdfsbase`): `AT_HWCAP2` has `HWCAP2_FSGSBASE` (bit 1) in its auxiliary
+/// vector (`getauxval(3)`).
+pub fn fsgsbase(pid: Tid) -> bool {
+    const AT_HWCAP2: u64 = 26;
+    const HWCAP2_FSGSBASE: u64 = 1 << 1;
+    let Ok(auxv) = fs::read(format!("/proc/{pid}/auxv")) else {
+        return false;
+    };
+    auxv.chunks_exact(16)
+        .map(|pair| {
+            let word = |i: usize| u64::from_le_bytes(pair[i..i + 8].try_into().expect("8 bytes"));
+            (word(0), word(8))
+        })
+        .find(|&(key, _)| key == AT_HWCAP2)
+        .is_some_and(|(_, value)| value & HWCAP2_FSGSBASE != 0)
+}
+
 /// The name of a thread (`/proc/PID/task/TID/comm`), without the newline.
 pub fn thread_name(pid: Tid, tid: Tid) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))

@@ -38,9 +38,14 @@ fn request(req: libc::c_uint, tid: Tid, addr: usize, data: usize) -> io::Result<
     check(unsafe { libc::ptrace(req, tid, addr, data) })
 }
 
-/// PTRACE_SEIZE with [`OPTIONS`]: attach without stopping the thread.
-pub fn seize(tid: Tid) -> io::Result<()> {
-    request(libc::PTRACE_SEIZE, tid, 0, OPTIONS as usize).map(drop)
+/// PTRACE_SEIZE with `options`: attach without stopping the thread.
+pub fn seize(tid: Tid, options: libc::c_int) -> io::Result<()> {
+    request(libc::PTRACE_SEIZE, tid, 0, options as usize).map(drop)
+}
+
+/// PTRACE_SETOPTIONS (the thread must be stopped).
+pub fn set_options(tid: Tid, options: libc::c_int) -> io::Result<()> {
+    request(libc::PTRACE_SETOPTIONS, tid, 0, options as usize).map(drop)
 }
 
 /// PTRACE_INTERRUPT: make a seized thread report a PTRACE_EVENT_STOP.
@@ -65,6 +70,12 @@ pub fn single_step(tid: Tid) -> io::Result<()> {
 
 pub fn detach(tid: Tid, sig: i32) -> io::Result<()> {
     request(libc::PTRACE_DETACH, tid, 0, sig as usize).map(drop)
+}
+
+/// A register file of zeros (a valid value: plain integers).
+pub fn zeroed_regs() -> Regs {
+    // SAFETY: user_regs_struct is plain integers; zero is a valid value.
+    unsafe { std::mem::zeroed() }
 }
 
 pub fn get_regs(tid: Tid) -> io::Result<Regs> {
@@ -180,6 +191,15 @@ fn wait(pid: Tid, flags: i32) -> io::Result<Option<(Tid, Stop)>> {
             }
         }
         tid => Ok(Some((tid, Stop::decode(status)))),
+    }
+}
+
+/// A request's result, with ESRCH taken as done: the thread vanished
+/// (killed, or exited meanwhile), which waitpid reports in its own time.
+pub fn unless_gone(result: io::Result<()>) -> io::Result<()> {
+    match result {
+        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
+        other => other,
     }
 }
 

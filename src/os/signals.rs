@@ -53,8 +53,16 @@ fn set_mask(how: libc::c_int) -> io::Result<()> {
 
 /// Install the handlers and block the signals in the calling thread; threads
 /// spawned afterwards inherit the block. Call before spawning any thread.
+/// SIGCHLD stays blocked everywhere: the tracer takes it with
+/// [`wait_child`] when it has nothing else to do.
 pub fn install() -> io::Result<()> {
     set_mask(libc::SIG_BLOCK)?;
+    let mut child: libc::sigset_t = empty_set();
+    // SAFETY: sigset manipulation on a local; changes this thread's mask.
+    unsafe {
+        libc::sigaddset(&mut child, libc::SIGCHLD);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &child, std::ptr::null_mut());
+    }
     for sig in HANDLED {
         // SAFETY: installing a handler that only touches atomics.
         unsafe {
@@ -102,6 +110,30 @@ pub fn quiesce() {
     // SAFETY: setitimer with valid pointers.
     unsafe { libc::setitimer(libc::ITIMER_REAL, &zero, std::ptr::null_mut()) };
     let _ = set_mask(libc::SIG_BLOCK);
+}
+
+fn empty_set() -> libc::sigset_t {
+    // SAFETY: sigset manipulation on a local.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        set
+    }
+}
+
+/// Wait up to `timeout` for a SIGCHLD (a tracee stopped or exited: the
+/// kernel tells its tracer so), taking it. True when one came.
+pub fn wait_child(timeout: Duration) -> bool {
+    let mut set = empty_set();
+    let spec = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: sigtimedwait with a valid set and timeout; no siginfo wanted.
+    unsafe {
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+        libc::sigtimedwait(&set, std::ptr::null_mut(), &spec) == libc::SIGCHLD
+    }
 }
 
 /// How many times Ctrl-C (SIGINT) was received so far.

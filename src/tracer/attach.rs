@@ -15,10 +15,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::detach::Stopping;
+use super::process::{Process, Role};
 use super::space::Space;
-use super::{Process, Progress, Role, TraceError, TraceOptions, Tracer, is_stopping_signal};
+use super::stop::Stopped;
+use super::{Progress, TraceError, TraceOptions, Tracer};
 use crate::os::procfs;
-use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::ptrace::{self, Tid};
 use crate::unwind::pipeline::PipelineHandle;
 
 /// How a thread stopped by the attach goes on.
@@ -52,25 +54,31 @@ impl Tracer {
             }
             Some(_) => {}
         }
-        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress)?;
-        tracer.attached = true;
-        tracer.processes.insert(
-            pid,
-            Process {
-                role: Role::Traced,
-                space: None,
-            },
-        );
+        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
+        tracer.control.attached = true;
+        tracer
+            .family
+            .processes
+            .insert(pid, Process::new(Role::Traced, None));
         let seized = seize_all(pid)?;
         for &tid in &seized {
             tracer.add_thread(tid, pid);
         }
         match tracer.hook_stopped(pid, &seized) {
-            Ok(()) => Ok(tracer),
+            Ok(()) => {
+                // `--duration` is the time traced: it starts now. (It also
+                // bounded the attach itself.)
+                tracer.control.deadline = tracer.opts.duration.map(|d| Instant::now() + d);
+                Ok(tracer)
+            }
             Err(err) => {
-                // Let go of what was seized; nothing was planted (or what was
-                // is put back by the detach).
-                let _ = tracer.detach_all();
+                // Let go of what was seized: the threads that stopped are
+                // detached (what was planted is put back first); those that
+                // never stopped have no EXITKILL and are released by the
+                // kernel when memptrace exits.
+                if let Err(detach) = tracer.let_go_held() {
+                    eprintln!("memptrace: warning: letting process {pid} go: {detach}");
+                }
                 Err(err)
             }
         }
@@ -79,6 +87,11 @@ impl Tracer {
     /// Stop every seized thread, hook the images, resume them.
     fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
         let resume = self.stop_all(pid, seized)?;
+        // Every thread stands still: from now on, memptrace's death is the
+        // program's (int3 bytes without a tracer would kill it anyway).
+        for &tid in resume.keys() {
+            ptrace::unless_gone(ptrace::set_options(tid, ptrace::OPTIONS))?;
+        }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
         let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_)));
@@ -88,14 +101,19 @@ impl Tracer {
             .find(runs)
             .or_else(|| resume.keys().next().copied())
             .ok_or(TraceError::NoSuchProcess(pid))?;
-        let space = Space::new(pid, self.copies_wanted())?;
-        if let Some(process) = self.processes.get_mut(&pid) {
+        let space = Space::new(pid, self.catch())?;
+        if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }
         // Signals the worker received while running injected calls.
         let mut arrived = self.refresh_images(pid, worker)?;
         if self.stats.hooked_functions == 0 {
             return Err(TraceError::NoAllocator(pid));
+        }
+        // A thread that stopped inside the bytes a jump now covers goes on
+        // in the probe's displaced copy of them.
+        for &tid in resume.keys() {
+            self.step_over_patch(tid)?;
         }
         for (tid, how) in resume {
             match how {
@@ -105,16 +123,15 @@ impl Tracer {
                             let _ = ptrace::tgkill(pid, tid, sig);
                         }
                     }
-                    match ptrace::listen(tid) {
-                        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
-                        other => other?,
-                    }
+                    self.control.held.remove(&tid);
+                    ptrace::unless_gone(ptrace::listen(tid))?;
                 }
                 Resume::Cont(sig) => {
                     let mut signals: Vec<i32> = (sig != 0).then_some(sig).into_iter().collect();
                     if tid == worker {
                         signals.append(&mut arrived);
                     }
+                    self.control.held.remove(&tid);
                     self.resume_with(tid, signals)?;
                 }
             }
@@ -133,61 +150,89 @@ impl Tracer {
             }
         }
         let mut resume = HashMap::new();
+        let mut progress = Instant::now();
         while !waiting.is_empty() {
+            self.hold(&resume);
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(tid) => {
                     resume.insert(tid, Resume::Cont(0));
                     continue;
                 }
-                Stopping::Nothing => continue,
+                Stopping::Nothing => {
+                    let reason = self.stop_requested().or_else(|| {
+                        (progress.elapsed() >= super::PATIENCE).then(|| {
+                            format!(
+                                "threads {:?} did not stop within {} s",
+                                sorted(&waiting),
+                                super::PATIENCE.as_secs()
+                            )
+                        })
+                    });
+                    if let Some(reason) = reason {
+                        return Err(TraceError::AttachAbandoned { pid, reason });
+                    }
+                    continue;
+                }
                 Stopping::NoneLeft => break,
             };
-            match stop {
-                Stop::Exited(_) | Stop::Killed { .. } => {
-                    waiting.remove(&tid);
+            progress = Instant::now();
+            waiting.remove(&tid);
+            match Stopped::of(stop) {
+                Stopped::Gone => {
                     resume.remove(&tid);
                     self.thread_gone(tid, stop)?;
                     if tid == pid {
                         return Err(TraceError::NoSuchProcess(pid));
                     }
                 }
-                Stop::EventStop(sig) if is_stopping_signal(sig) => {
-                    waiting.remove(&tid);
+                Stopped::GroupStop(_) => {
                     resume.insert(tid, Resume::Listen);
                 }
-                Stop::Signal(sig) => {
+                Stopped::Trap => {
                     // The signal came first; the interrupt is still pending and
                     // is reported (and ignored) once the thread runs again.
-                    waiting.remove(&tid);
+                    resume.insert(tid, Resume::Cont(libc::SIGTRAP));
+                }
+                Stopped::Fault(sig) | Stopped::Signal(sig) => {
                     resume.insert(tid, Resume::Cont(sig));
                 }
-                Stop::Event(event) => {
-                    if matches!(
-                        event,
-                        libc::PTRACE_EVENT_CLONE
-                            | libc::PTRACE_EVENT_FORK
-                            | libc::PTRACE_EVENT_VFORK
-                    ) {
-                        let before: HashSet<Tid> = self.threads.keys().copied().collect();
-                        self.announce_child(tid, event, true)?;
-                        for new in self.threads.keys() {
-                            if !before.contains(new) {
-                                resume.insert(*new, Resume::Cont(0));
-                            }
+                Stopped::Birth(event) => {
+                    let before: HashSet<Tid> = self.family.threads.keys().copied().collect();
+                    self.announce_child(tid, event, true)?;
+                    for new in self.family.threads.keys() {
+                        if !before.contains(new) {
+                            resume.insert(*new, Resume::Cont(0));
                         }
                     }
-                    waiting.remove(&tid);
                     resume.insert(tid, Resume::Cont(0));
                 }
-                Stop::EventStop(_) | Stop::Syscall => {
-                    waiting.remove(&tid);
+                Stopped::Exec | Stopped::Exiting | Stopped::Interrupt => {
                     resume.insert(tid, Resume::Cont(0));
                 }
             }
         }
+        self.hold(&resume);
         Ok(resume)
     }
+
+    /// Remember the threads stopped so far, so that letting go of them on
+    /// an error does not wait for stops already seen.
+    fn hold(&mut self, resume: &HashMap<Tid, Resume>) {
+        for (&tid, how) in resume {
+            let sig = match how {
+                Resume::Cont(sig) => *sig,
+                Resume::Listen => 0,
+            };
+            self.control.held.insert(tid, sig);
+        }
+    }
+}
+
+fn sorted(tids: &HashSet<Tid>) -> Vec<Tid> {
+    let mut tids: Vec<Tid> = tids.iter().copied().collect();
+    tids.sort_unstable();
+    tids
 }
 
 /// Seize every thread of `pid`, again and again until no new one appears:
@@ -207,7 +252,10 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
                 continue;
             }
             new = true;
-            match ptrace::seize(tid) {
+            // Without EXITKILL until the thread has stopped: a thread that
+            // never stops for the attach (a frozen cgroup) must not be killed
+            // when memptrace gives up and exits. See `Tracer::hook_stopped`.
+            match ptrace::seize(tid, ptrace::OPTIONS & !libc::PTRACE_O_EXITKILL) {
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile.
                 Err(err) if err.raw_os_error() == Some(libc::ESRCH) && tid != pid => {}

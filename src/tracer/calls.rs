@@ -19,22 +19,22 @@
 //! same thread (realloc(NULL, n) entering malloc) just passes through. The
 //! bookkeeping runs after the thread is resumed.
 
-use super::callsite::{self, CallTarget};
+use super::callsite;
 use super::copies::{CopyInto, PendingCopy};
 use super::ledger::CallFacts;
-use super::space::BreakpointKind;
-use super::{PendingCall, Role, TraceError, Tracer};
+use super::probes::{HookKind, Probe};
+use super::process::PendingCall;
+use super::space::buffers::STACK_COPY;
+use super::{TraceError, Tracer};
 use crate::event::Op;
-use crate::os::mem;
+use crate::memory::Memory;
+use crate::os::mem::{self, ProcessMemory};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
 use crate::unwind::pipeline::{CallStack, RawCall, TraceMsg};
 use crate::unwind::{StackSample, Unwinder};
 
-/// Bytes of stack copied per call for framehop (less at the top of a stack).
-pub const STACK_COPY: u64 = 32 * 1024;
-
-/// The two ways out of a breakpoint (see [`super::space::Breakpoint`]).
+/// The two ways out of an int3 probe (see [`Probe::Int3`]).
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     resume_at: u64,
@@ -48,28 +48,44 @@ impl Tracer {
             Ok(regs) => regs,
             Err(_) => return Ok(()), // killed meanwhile; waitpid will say
         };
-        let pid = self.threads[&tid].pid;
-        let Some(process) = self.processes.get(&pid) else {
-            return self.resume(tid, libc::SIGTRAP);
+        let Some(pid) = self.family.pid_of(tid) else {
+            return Ok(());
         };
-        let recording = process.role == Role::Traced;
-        let owner = match process.role {
-            Role::Shares { parent } => parent,
-            _ => pid,
-        };
-        let Some(space) = self.processes.get(&owner).and_then(|p| p.space.as_ref()) else {
+        let recording = self
+            .family
+            .processes
+            .get(&pid)
+            .is_some_and(|p| p.role == super::process::Role::Traced);
+        let Some(space) = self.family.space_of(tid) else {
             return self.resume(tid, libc::SIGTRAP);
         };
         let at = regs.rip.wrapping_sub(1);
-        let Some(bp) = space.breakpoints.get(&at) else {
-            if space.is_return(at) {
+        let Some(hook) = space.hooks.get(at) else {
+            if space.hooks.is_return(at) {
                 return self.on_return(tid, regs);
+            }
+            if let Some(hook) = space.hooks.missed(at) {
+                let Probe::Jump { code, .. } = &hook.probe else {
+                    unreachable!("a miss is a jump probe's")
+                };
+                return self.on_miss(tid, pid, regs, code.entry);
             }
             return self.resume(tid, libc::SIGTRAP);
         };
-        let (resume_at, stub) = (bp.resume_at, bp.stub);
-        match bp.kind.clone() {
-            BreakpointKind::DebugState => {
+        let (resume_at, stub) = match &hook.probe {
+            Probe::Int3 {
+                resume_at, stub, ..
+            } => (*resume_at, *stub),
+            // A jump probe where a jump could not be planted: on to it.
+            Probe::Jump {
+                code,
+                via_int3: true,
+                ..
+            } => return self.redirect(tid, regs, code.entry, Vec::new()),
+            Probe::Jump { .. } => return self.resume(tid, libc::SIGTRAP),
+        };
+        match hook.kind.clone() {
+            HookKind::DebugState => {
                 let signals = if recording {
                     self.refresh_images(pid, tid)?
                 } else {
@@ -77,10 +93,10 @@ impl Tracer {
                 };
                 self.redirect(tid, regs, resume_at, signals)
             }
-            BreakpointKind::Allocator { .. } if !recording => {
+            HookKind::Allocator { .. } if !recording => {
                 self.redirect(tid, regs, resume_at, Vec::new())
             }
-            BreakpointKind::Allocator { module_id, ops } => {
+            HookKind::Allocator { module_id, ops } => {
                 let slot = Slot { resume_at, stub };
                 self.on_entry(tid, pid, regs, slot, module_id, &ops)
             }
@@ -88,7 +104,7 @@ impl Tracer {
     }
 
     /// Resume a thread stopped at a breakpoint at the displaced instruction.
-    fn redirect(
+    pub(super) fn redirect(
         &mut self,
         tid: Tid,
         mut regs: Regs,
@@ -111,7 +127,7 @@ impl Tracer {
         module_id: u64,
         ops: &[Op],
     ) -> Result<(), TraceError> {
-        let thread = self.threads.get_mut(&tid).expect("known thread");
+        let thread = self.family.threads.get_mut(&tid).expect("known thread");
         if let Some(call) = &thread.in_call {
             // The stack grows down: an entry below the pending call's frame is
             // inside it, including a tail call from it (musl's memalign jumps
@@ -149,7 +165,7 @@ impl Tracer {
             self.complete(op, &facts, stack, module_id);
             return Ok(());
         }
-        if let Some(thread) = self.threads.get_mut(&tid) {
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.in_call = Some(PendingCall {
                 op,
                 args,
@@ -174,7 +190,7 @@ impl Tracer {
         regs: &Regs,
         always: bool,
     ) -> Option<(PendingCopy, u64, u64)> {
-        if self.libunwind.contains_key(&pid) {
+        if self.unwinds_with_libunwind(pid) {
             return None;
         }
         let sp = regs.rsp;
@@ -187,7 +203,7 @@ impl Tracer {
         if len == 0 {
             return None;
         }
-        let buffers = self.space_of_mut(tid)?.buffers.as_mut()?;
+        let buffers = self.family.space_of_mut(tid)?.buffers.as_mut()?;
         let issued = buffers.issue(tid)?;
         let copy = PendingCopy {
             buffer: issued.buffer,
@@ -233,17 +249,15 @@ impl Tracer {
         self.resume(tid, 0)?;
         if op == Op::Free {
             // Recorded now, in order; its stack follows (see `copies`).
-            let at = self.batch.len();
-            copy.into = CopyInto::Batch(at);
             let facts = self.facts(pid, tid, args, 0, 0);
-            self.complete(op, &facts, stack, module_id);
-            self.awaiting.insert(at, tid);
-            if let Some(thread) = self.threads.get_mut(&tid) {
+            let msg = self.completed(op, &facts, stack, module_id);
+            copy.into = CopyInto::Batch(self.out.push_awaiting(msg, tid));
+            if let Some(thread) = self.family.threads.get_mut(&tid) {
                 thread.copy = Some(copy);
             }
             return Ok(());
         }
-        if let Some(thread) = self.threads.get_mut(&tid) {
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.in_call = Some(PendingCall {
                 op,
                 args,
@@ -260,7 +274,7 @@ impl Tracer {
     /// The return int3 of a call stub: the call's result is in rax, and the
     /// thread goes on where it is (the stub returns to the caller).
     fn on_return(&mut self, tid: Tid, regs: Regs) -> Result<(), TraceError> {
-        let pid = self.threads[&tid].pid;
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
         let Some(call) = self.returning_call(tid, regs.rsp) else {
             // A call memptrace gave up on (left by a longjmp, as far as it
             // could tell) came back after all: not recorded, no harm done.
@@ -276,7 +290,7 @@ impl Tracer {
     /// pointer `rsp` completes. The stub's `call` pushed its return address
     /// 16 bytes below the entry's stack pointer, and `ret` popped it.
     pub(super) fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<PendingCall> {
-        let thread = self.threads.get_mut(&tid)?;
+        let thread = self.family.threads.get_mut(&tid)?;
         let ours = thread
             .in_call
             .as_ref()
@@ -317,17 +331,26 @@ impl Tracer {
 
     /// Book a finished call and send it down the pipeline.
     pub(super) fn complete(&mut self, op: Op, facts: &CallFacts, stack: CallStack, module_id: u64) {
-        if let CallStack::Sample(sample) = &stack {
-            self.batch_bytes += sample.bytes.len();
-        }
+        let msg = self.completed(op, facts, stack, module_id);
+        self.send(msg);
+    }
+
+    /// Book a finished call: its message for the pipeline.
+    fn completed(
+        &mut self,
+        op: Op,
+        facts: &CallFacts,
+        stack: CallStack,
+        module_id: u64,
+    ) -> TraceMsg {
         let done = self.ledger.complete(op, facts);
         self.progress.update(&self.ledger);
-        self.send(TraceMsg::Call(Box::new(RawCall {
+        TraceMsg::Call(Box::new(RawCall {
             event: done.event,
             stack,
             allocator_module: module_id,
             unmatched_release: done.unmatched_release,
-        })));
+        }))
     }
 
     /// The caller's return address and what the unwinder needs, taken while
@@ -336,19 +359,25 @@ impl Tracer {
     /// `always` call) gets more than its caller.
     fn capture(&mut self, tid: Tid, pid: Tid, regs: &Regs, always: bool) -> (u64, CallStack) {
         let sp = regs.rsp;
+        let mem = ProcessMemory(pid);
         if !self.opts.stacks {
-            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+            let ret = mem.read_u64(sp).unwrap_or(0);
             return (ret, CallStack::CallerOnly(ret));
         }
         if self.opts.stack_every > 1 {
             // The call site is the return address: one word read first.
-            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+            let ret = mem.read_u64(sp).unwrap_or(0);
             if !self.sampled(pid, ret) && !always {
                 return (ret, CallStack::CallerOnly(ret));
             }
         }
-        if let Some(libunwind) = self.libunwind.get_mut(&pid) {
-            let ret = mem::read_u64(pid, sp).unwrap_or(0);
+        let libunwind = self
+            .family
+            .processes
+            .get_mut(&pid)
+            .and_then(|p| p.libunwind.as_mut());
+        if let Some(libunwind) = libunwind {
+            let ret = mem.read_u64(sp).unwrap_or(0);
             let sample = StackSample {
                 ip: ret,
                 sp: sp + 8,
@@ -382,7 +411,10 @@ impl Tracer {
         if self.opts.stack_every <= 1 {
             return true;
         }
-        let seen = self.sites.entry((pid, ret)).or_insert(0);
+        let Some(process) = self.family.processes.get_mut(&pid) else {
+            return true;
+        };
+        let seen = process.sites.entry(ret).or_insert(0);
         let sampled = *seen % self.opts.stack_every == 0;
         *seen += 1;
         sampled
@@ -390,8 +422,8 @@ impl Tracer {
 
     /// The end of the mapping holding a thread's stack, learnt once per thread
     /// (and again if the thread moves to another stack).
-    fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
-        let thread = self.threads.get_mut(&tid).expect("known thread");
+    pub(super) fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
+        let thread = self.family.threads.get_mut(&tid).expect("known thread");
         if let Some(range) = &thread.stack {
             if range.contains(&sp) {
                 return range.end;
@@ -410,39 +442,33 @@ impl Tracer {
     }
 
     /// Which of several names sharing an address the caller used, from the
-    /// call instruction before `ret` (see [`callsite`]).
-    fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
-        if let Some(op) = self.aliases.get(&(pid, ret)) {
+    /// call instruction before `ret` (see [`callsite::named`]), decoded once
+    /// per call site.
+    pub(super) fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
+        let Some(process) = self.family.processes.get_mut(&pid) else {
+            return ops[0];
+        };
+        if let Some(op) = process.aliases.get(&ret) {
             return *op;
         }
-        let op = self.decode_alias(pid, ops, ret).unwrap_or(ops[0]);
-        self.aliases.insert((pid, ret), op);
+        let op = process
+            .space
+            .as_ref()
+            .and_then(|space| {
+                let module_at = |addr| space.module_at(addr);
+                callsite::named(&ProcessMemory(pid), &module_at, ops, ret)
+            })
+            .unwrap_or(ops[0]);
+        process.aliases.insert(ret, op);
         op
     }
 
-    fn decode_alias(&self, pid: Tid, ops: &[Op], ret: u64) -> Option<Op> {
-        let space = self.processes.get(&pid)?.space.as_ref()?;
-        let mut before = [0u8; 6];
-        mem::read_exact(pid, ret.checked_sub(6)?, &mut before).ok()?;
-        let slot = match callsite::call_before(&before, ret)? {
-            CallTarget::Slot(slot) => slot,
-            CallTarget::Direct(target) => {
-                let module = space.module_at(target)?;
-                if !module
-                    .image
-                    .in_plt(module.bias.to_svma(crate::addr::Avma(target)))
-                {
-                    return None;
-                }
-                let mut stub = [0u8; 16];
-                mem::read_exact(pid, target, &mut stub).ok()?;
-                callsite::plt_slot(&stub, target)?
-            }
-        };
-        let module = space.module_at(slot)?;
-        let svma = module.bias.to_svma(crate::addr::Avma(slot));
-        let op = *module.image.got_slots.get(&svma.0)?;
-        ops.contains(&op).then_some(op)
+    /// True when process `pid`'s stacks are unwound by libunwind.
+    fn unwinds_with_libunwind(&self, pid: Tid) -> bool {
+        self.family
+            .processes
+            .get(&pid)
+            .is_some_and(|p| p.libunwind.is_some())
     }
 }
 
@@ -450,7 +476,7 @@ impl Tracer {
 /// the thread is stopped at the return, before the caller can touch it.
 pub(super) fn stored_block(pid: Tid, call: &PendingCall, rax: u64) -> u64 {
     if call.op == Op::PosixMemalign && rax as u32 == 0 {
-        mem::read_u64(pid, call.args[0]).unwrap_or(0)
+        ProcessMemory(pid).read_u64(call.args[0]).unwrap_or(0)
     } else {
         0
     }

@@ -8,8 +8,9 @@
 //! and loses the pages before it runs a single instruction; followed, it gets
 //! a copy of its parent's [`Space`] with modules of its own.
 
+use super::process::{Child, Process, Role, Thread};
 use super::space::Space;
-use super::{Child, Process, Role, Thread, TraceError, Tracer, detach};
+use super::{TraceError, Tracer, detach};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
 
@@ -24,20 +25,32 @@ impl Tracer {
         stopped: bool,
     ) -> Result<(), TraceError> {
         let child = ptrace::event_msg(tid)? as Tid;
-        let pid = self.threads[&tid].pid;
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
         let kind = match event {
             libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
-            libc::PTRACE_EVENT_VFORK => Child::Shared { parent: pid },
+            libc::PTRACE_EVENT_VFORK => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
             _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
             // A clone that is not a thread may share memory (CLONE_VM):
             // treat it like vfork, never touch the shared code.
-            _ => Child::Shared { parent: pid },
+            _ => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
         };
-        match (self.early.remove(&child), stopped) {
+        if let Child::Shared { by, .. } = kind {
+            // The child runs on the parent thread's stack and thread
+            // pointer: the jump probes must not record its calls as the
+            // parent's (the parent itself waits until the child execs).
+            self.pause_slots(by, true);
+        }
+        match (self.family.early.remove(&child), stopped) {
             (Some(first), false) => self.adopt(child, kind, first),
             (Some(_), true) => self.adopt_stopped(child, kind),
             (None, _) => {
-                self.announced.insert(child, kind);
+                self.family.announced.insert(child, kind);
                 Ok(())
             }
         }
@@ -54,24 +67,12 @@ impl Tracer {
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
             Child::Fork { parent } => self.release_fork(tid, parent),
-            Child::Shared { parent } => {
-                self.processes.insert(
-                    tid,
-                    Process {
-                        role: Role::Shares { parent },
-                        space: None,
-                    },
-                );
-                self.threads.insert(
-                    tid,
-                    Thread {
-                        pid: tid,
-                        in_call: None,
-                        stack: None,
-                        start_ns: self.now_ns(),
-                        copy: None,
-                    },
-                );
+            Child::Shared { parent, by } => {
+                let mut process = Process::new(Role::Shares { parent }, None);
+                process.paused = Some(by);
+                self.family.processes.insert(tid, process);
+                let start_ns = self.now_ns();
+                self.family.threads.insert(tid, Thread::new(tid, start_ns));
                 self.resume(tid, 0)
             }
         }
@@ -83,6 +84,7 @@ impl Tracer {
     /// shared memory, and are released.
     pub(super) fn release_sharers(&mut self, pid: Tid, mut space: Space) -> Result<(), TraceError> {
         let sharers: Vec<Tid> = self
+            .family
             .processes
             .iter()
             .filter(|(_, p)| p.role == Role::Shares { parent: pid })
@@ -97,15 +99,9 @@ impl Tracer {
                 .push(format!("restoring code shared with {sharers:?}: {err}"));
         }
         for child in sharers {
-            self.processes.remove(&child);
-            let tids: Vec<Tid> = self
-                .threads
-                .iter()
-                .filter(|(_, t)| t.pid == child)
-                .map(|(t, _)| *t)
-                .collect();
-            for t in tids {
-                self.threads.remove(&t);
+            self.family.processes.remove(&child);
+            for t in self.family.threads_of(child) {
+                self.family.threads.remove(&t);
                 // It is running: PTRACE_DETACH needs a stop first.
                 detach::detach_running(t);
             }
@@ -115,22 +111,37 @@ impl Tracer {
 
     /// A forked child, at its first stop: trace it as its parent was traced.
     fn follow_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
-        let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) else {
+        let Some(space) = self
+            .family
+            .processes
+            .get(&parent)
+            .and_then(|p| p.space.as_ref())
+        else {
             return self.release_fork(tid, parent);
         };
-        let copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        let mut copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        if let Some(control) = space.control() {
+            // Its copy of the control area is shared with the parent: it
+            // gets one of its own before it runs.
+            let mut signals = Vec::new();
+            if let Err(err) = copy.adopt_control(tid, control, &mut signals) {
+                self.stats.warnings.push(format!(
+                    "process {tid}: its calls cannot be recorded apart from its parent's ({err}); it is released"
+                ));
+                return self.release_fork(tid, parent);
+            }
+            for sig in signals {
+                let _ = ptrace::tgkill(tid, tid, sig);
+            }
+        }
         let now = self.now_ns();
         let modules: Vec<_> = copy.modules.values().cloned().collect();
         for module in &modules {
             self.announce_image(tid, module, now);
         }
-        self.processes.insert(
-            tid,
-            Process {
-                role: Role::Traced,
-                space: Some(copy),
-            },
-        );
+        self.family
+            .processes
+            .insert(tid, Process::new(Role::Traced, Some(copy)));
         self.add_thread(tid, tid);
         self.resume(tid, 0)
     }
@@ -139,7 +150,12 @@ impl Tracer {
     /// copy of memory, unmap its copies of the trampoline pages, let it go.
     fn release_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
         let mut deliver = 0;
-        if let Some(space) = self.processes.get(&parent).and_then(|p| p.space.as_ref()) {
+        let space = self
+            .family
+            .processes
+            .get(&parent)
+            .and_then(|p| p.space.as_ref());
+        if let Some(space) = space {
             let cleaned = space
                 .restore_into(tid)
                 .map_err(|e| e.to_string())
@@ -160,9 +176,6 @@ impl Tracer {
                     .push(format!("cleaning code in child {tid}: {err}")),
             }
         }
-        match ptrace::detach(tid, deliver) {
-            Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-            other => Ok(other?),
-        }
+        Ok(ptrace::unless_gone(ptrace::detach(tid, deliver))?)
     }
 }

@@ -39,11 +39,11 @@ pub(super) struct PendingCopy {
 }
 
 /// Where the copy goes: the stack of the thread's pending call, or that of
-/// the call at this index of the batch.
+/// the call with this message number in the outbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum CopyInto {
     Call,
-    Batch(usize),
+    Batch(u64),
 }
 
 impl Tracer {
@@ -67,7 +67,7 @@ impl Tracer {
     /// if the thread made it, else (the thread is stopped before or inside
     /// the routine, `readable`) from its stack, else no stack.
     pub(super) fn settle_copy(&mut self, tid: Tid, readable: bool) {
-        let Some(thread) = self.threads.get_mut(&tid) else {
+        let Some(thread) = self.family.threads.get_mut(&tid) else {
             return;
         };
         let Some(copy) = thread.copy.take() else {
@@ -75,7 +75,7 @@ impl Tracer {
         };
         let pid = thread.pid;
         let mut bytes = Vec::new();
-        let buffers = self.space_of(tid).and_then(|s| s.buffers.as_ref());
+        let buffers = self.family.space_of(tid).and_then(|s| s.buffers.as_ref());
         match buffers {
             Some(b) if b.done(copy.buffer, copy.seq) => {
                 b.copy_out(copy.buffer, copy.len, &mut bytes)
@@ -91,12 +91,12 @@ impl Tracer {
     /// Calls of the batch waiting for copies that are now done: fill them.
     /// Calls of threads that are gone get no stack.
     pub(super) fn settle_finished(&mut self) {
-        let waiting: Vec<(usize, Tid)> = self.awaiting.iter().map(|(&i, &t)| (i, t)).collect();
-        for (at, tid) in waiting {
-            let copy = self.threads.get(&tid).and_then(|t| t.copy);
+        for (at, tid) in self.out.awaiting() {
+            let copy = self.family.threads.get(&tid).and_then(|t| t.copy);
             match copy {
                 Some(copy) if copy.into == CopyInto::Batch(at) => {
                     let done = self
+                        .family
                         .space_of(tid)
                         .and_then(|s| s.buffers.as_ref())
                         .is_some_and(|b| b.done(copy.buffer, copy.seq));
@@ -111,7 +111,7 @@ impl Tracer {
 
     /// Every pending copy, taken now (the end of the trace).
     pub(super) fn settle_all(&mut self, readable: bool) {
-        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
         for tid in tids {
             self.settle_copy(tid, readable);
         }
@@ -128,6 +128,7 @@ impl Tracer {
             return false;
         };
         let in_routine = self
+            .family
             .space_of(tid)
             .is_some_and(|s| s.in_copy(regs.rip).is_some());
         // A fault raised by the CPU (si_code > 0), not a signal sent by kill.
@@ -140,7 +141,10 @@ impl Tracer {
         let Ok(mut regs) = ptrace::get_regs(tid) else {
             return Ok(());
         };
-        let left = self.space_of(tid).and_then(|s| s.leave_copy(&mut regs));
+        let left = self
+            .family
+            .space_of(tid)
+            .and_then(|s| s.leave_copy(&mut regs));
         if left != Some(true) {
             return Ok(());
         }
@@ -156,10 +160,14 @@ impl Tracer {
     /// again at its next call.
     pub(super) fn note_copy_fault(&mut self, tid: Tid) {
         self.stats.copy_faults += 1;
-        if let Some(thread) = self.threads.get_mut(&tid) {
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.stack = None;
         }
-        if let Some(buffers) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
+        if let Some(buffers) = self
+            .family
+            .space_of_mut(tid)
+            .and_then(|s| s.buffers.as_mut())
+        {
             buffers.resync_thread(tid);
         }
     }
@@ -175,21 +183,19 @@ impl Tracer {
             None => false,
         };
         if !caller_only {
-            self.batch_bytes += bytes.len();
+            self.out.add_bytes(bytes.len());
         }
         let stack = match into {
             CopyInto::Call => self
+                .family
                 .threads
                 .get_mut(&tid)
                 .and_then(|t| t.in_call.as_mut())
                 .map(|call| &mut call.stack),
-            CopyInto::Batch(at) => {
-                self.awaiting.remove(&at);
-                match self.batch.get_mut(at) {
-                    Some(TraceMsg::Call(call)) => Some(&mut call.stack),
-                    _ => None,
-                }
-            }
+            CopyInto::Batch(at) => match self.out.take_awaiting(at) {
+                Some(TraceMsg::Call(call)) => Some(&mut call.stack),
+                _ => None,
+            },
         };
         match stack {
             Some(stack) if caller_only => *stack = CallStack::CallerOnly(ret),
@@ -211,31 +217,5 @@ impl Tracer {
             base: sp,
             bytes: Vec::new(),
         })
-    }
-
-    /// How much of the batch can go to the pipeline: everything before the
-    /// first call still waiting for its copy.
-    pub(super) fn sendable(&self) -> usize {
-        self.awaiting
-            .keys()
-            .next()
-            .copied()
-            .unwrap_or(self.batch.len())
-    }
-
-    /// The first `n` messages of the batch went: the rest move down.
-    pub(super) fn shift_awaiting(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let moved: Vec<(usize, Tid)> = self.awaiting.iter().map(|(&i, &t)| (i - n, t)).collect();
-        self.awaiting = moved.iter().copied().collect();
-        for (at, tid) in moved {
-            if let Some(copy) = self.threads.get_mut(&tid).and_then(|t| t.copy.as_mut()) {
-                if copy.into == CopyInto::Batch(at + n) {
-                    copy.into = CopyInto::Batch(at);
-                }
-            }
-        }
     }
 }

@@ -12,9 +12,12 @@
 //! where no such place exists.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
-use super::trampoline::{self, InStub, RETURN_INT3};
-use super::{Role, TraceError, Tracer};
+use super::probes::int3::{self, InStub, RETURN_INT3};
+use super::process::{Child, Process, Role};
+use super::stop::Stopped;
+use super::{TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
 
@@ -65,59 +68,119 @@ fn sigtrap_pending(pid: Tid, tid: Tid) -> bool {
 }
 
 impl Tracer {
+    /// Detach the threads an attach stopped, putting back whatever was
+    /// planted; the threads that did not stop are left alone.
+    pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
+        let held = std::mem::take(&mut self.control.held);
+        let deliver = held
+            .iter()
+            .filter(|(_, sig)| **sig != 0)
+            .map(|(&t, &s)| (t, s));
+        let deliver: HashMap<Tid, i32> = deliver.collect();
+        let stuck: HashSet<Tid> = self
+            .family
+            .threads
+            .keys()
+            .filter(|t| !held.contains_key(t))
+            .copied()
+            .collect();
+        self.restore_and_release(deliver, &stuck)
+    }
+
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
         let mut waiting: HashSet<Tid> = HashSet::new();
-        for &tid in self.threads.keys() {
-            if ptrace::interrupt(tid).is_ok() {
-                waiting.insert(tid);
+        let mut deliver: HashMap<Tid, i32> = HashMap::new();
+        // Threads already stopped (an attach that failed) report nothing
+        // more: waiting for them would never end.
+        let held = std::mem::take(&mut self.control.held);
+        for &tid in self.family.threads.keys() {
+            match held.get(&tid) {
+                Some(&sig) => {
+                    if sig != 0 {
+                        deliver.insert(tid, sig);
+                    }
+                }
+                None => {
+                    if ptrace::interrupt(tid).is_ok() {
+                        waiting.insert(tid);
+                    }
+                }
             }
         }
-        let mut deliver: HashMap<Tid, i32> = HashMap::new();
-        while !waiting.is_empty() || !self.announced.is_empty() {
+        let mut progress = Instant::now();
+        let mut stuck: HashSet<Tid> = HashSet::new();
+        while !waiting.is_empty() || !self.family.announced.is_empty() {
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
-                Stopping::Adopted(_) | Stopping::Nothing => continue,
+                Stopping::Adopted(_) => continue,
+                Stopping::Nothing if progress.elapsed() < super::PATIENCE => continue,
+                Stopping::Nothing => {
+                    // Not one stop for a while: what has not stopped by now is
+                    // left running (traced until memptrace exits), and the
+                    // trampoline pages stay, since it may be in them.
+                    for &tid in &waiting {
+                        self.stats.warnings.push(format!(
+                            "thread {tid} did not stop within {} s to be detached",
+                            super::PATIENCE.as_secs()
+                        ));
+                    }
+                    stuck = std::mem::take(&mut waiting);
+                    self.family.announced.clear();
+                    break;
+                }
                 Stopping::NoneLeft => break,
             };
-            match stop {
-                Stop::Exited(_) | Stop::Killed { .. } => {
+            progress = Instant::now();
+            match Stopped::of(stop) {
+                Stopped::Gone => {
                     waiting.remove(&tid);
                     self.thread_gone(tid, stop)?;
                 }
-                Stop::Signal(libc::SIGTRAP) if self.settle_trap(tid)? => {
+                Stopped::Trap if self.settle_trap(tid)? => {
                     waiting.remove(&tid);
                 }
-                Stop::Signal(libc::SIGSEGV | libc::SIGBUS) if self.copy_faulted(tid) => {
+                Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
+                    // A probe's stack walk faulted: the thread leaves the
+                    // probe with the others; the program never sees it.
+                    let to = self.walk_faulted(tid).unwrap_or_default();
+                    if let Ok(mut regs) = ptrace::get_regs(tid) {
+                        regs.rip = to;
+                        let _ = ptrace::set_regs(tid, &regs);
+                    }
+                    self.stats.walk_faults += 1;
+                    waiting.remove(&tid);
+                }
+                Stopped::Fault(_) if self.copy_faulted(tid) => {
                     // The copy routine's own fault: the copy is read with the
                     // others, the thread leaves the routine with the others,
                     // and the program never sees the signal.
                     self.note_copy_fault(tid);
                     waiting.remove(&tid);
                 }
-                Stop::Signal(sig) => {
+                Stopped::Trap => {
+                    deliver.insert(tid, libc::SIGTRAP);
+                    waiting.remove(&tid);
+                }
+                Stopped::Fault(sig) | Stopped::Signal(sig) => {
                     deliver.insert(tid, sig);
                     waiting.remove(&tid);
                 }
-                Stop::Event(event) => {
-                    match event {
-                        libc::PTRACE_EVENT_CLONE
-                        | libc::PTRACE_EVENT_FORK
-                        | libc::PTRACE_EVENT_VFORK => self.announce_child(tid, event, true)?,
-                        libc::PTRACE_EVENT_EXEC => {
-                            // The old code is gone with the old memory.
-                            let pid = self.threads[&tid].pid;
-                            if let Some(space) =
-                                self.processes.get_mut(&pid).and_then(|p| p.space.as_mut())
-                            {
-                                space.breakpoints.clear();
-                            }
-                        }
-                        _ => {}
+                Stopped::Birth(event) => {
+                    self.announce_child(tid, event, true)?;
+                    waiting.remove(&tid);
+                }
+                Stopped::Exec => {
+                    // The old code is gone with the old memory.
+                    if let Some(space) = self.family.space_of_mut(tid) {
+                        space.hooks.clear();
                     }
                     waiting.remove(&tid);
                 }
-                Stop::EventStop(_) | Stop::Syscall => {
-                    let pid = self.threads[&tid].pid;
+                Stopped::Exiting => {
+                    waiting.remove(&tid);
+                }
+                Stopped::GroupStop(_) | Stopped::Interrupt => {
+                    let pid = self.family.pid_of(tid).unwrap_or(tid);
                     if self.at_int3(tid) && sigtrap_pending(pid, tid) {
                         // Let the queued trap be reported, then settle it.
                         ptrace::cont(tid, 0)?;
@@ -127,19 +190,34 @@ impl Tracer {
                 }
             }
         }
-        self.restore_and_release(deliver)
+        self.restore_and_release(deliver, &stuck)
     }
 
     /// Put back what was changed, then detach every thread: return addresses,
     /// threads standing in a trampoline slot (moved to the same place in the
     /// original code), the int3 bytes, and last the trampoline pages.
-    fn restore_and_release(&mut self, mut deliver: HashMap<Tid, i32>) -> Result<(), TraceError> {
+    fn restore_and_release(
+        &mut self,
+        mut deliver: HashMap<Tid, i32>,
+        stuck: &HashSet<Tid>,
+    ) -> Result<(), TraceError> {
         // Every thread is stopped: copies not made yet are read now.
         self.settle_all(true);
         // Spaces whose pages must stay: a thread is somewhere in them that
-        // cannot be mapped back to the original code, or will return there.
-        let mut keep_pages: HashSet<Tid> = HashSet::new();
+        // cannot be mapped back to the original code, or will return there,
+        // or did not stop.
+        let mut keep_pages: HashSet<Tid> = stuck
+            .iter()
+            .filter_map(|&tid| self.family.owner_of(tid))
+            .collect();
+        for tid in stuck {
+            self.family.threads.remove(tid);
+        }
+        // Jump probes: every thread out of their code, every call in
+        // progress sent back to its caller, every record read.
+        self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
         let pending: Vec<(Tid, Tid, u64, u64)> = self
+            .family
             .threads
             .iter_mut()
             .filter_map(|(&tid, t)| t.in_call.take().map(|c| (tid, t.pid, c.entry_sp, c.stub)))
@@ -148,13 +226,12 @@ impl Tracer {
         for (tid, pid, sp, stub) in pending {
             // Still inside the allocator; that call is not recorded.
             self.stats.lost_returns += 1;
-            let Some(space) = self.space_of(tid) else {
+            let Some(space) = self.family.space_of(tid) else {
                 continue;
             };
             let owner = space.pid;
             let in_stub = ptrace::get_regs(tid).map_or(true, |regs| {
-                trampoline::in_stub(regs.rip, stub) != InStub::No
-                    || space.in_copy(regs.rip).is_some()
+                int3::in_stub(regs.rip, stub) != InStub::No || space.in_copy(regs.rip).is_some()
             });
             if in_stub {
                 continue; // moved out below, with every thread
@@ -170,16 +247,16 @@ impl Tracer {
             });
             mem::write_data(pid, sp - 16, &to.to_le_bytes())?;
         }
-        let tids: Vec<Tid> = self.threads.keys().copied().collect();
+        let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
         for &tid in &tids {
-            let Some(space) = self.space_of(tid) else {
+            let Some(space) = self.family.space_of(tid) else {
                 continue;
             };
             let owner = space.pid;
             let Ok(mut regs) = ptrace::get_regs(tid) else {
                 continue;
             };
-            match space.leave_slots(&mut regs) {
+            match space.leave_areas(&mut regs) {
                 Some(false) => {}
                 Some(true) => ptrace::set_regs(tid, &regs)?,
                 None => {
@@ -188,14 +265,23 @@ impl Tracer {
             }
         }
         let traced: Vec<Tid> = self
+            .family
             .processes
             .iter()
             .filter(|(_, p)| p.role == Role::Traced && p.space.is_some())
             .map(|(&pid, _)| pid)
             .collect();
         for pid in traced {
-            let worker = tids.iter().copied().find(|t| self.threads[t].pid == pid);
-            let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+            let worker = tids
+                .iter()
+                .copied()
+                .find(|&t| self.family.pid_of(t) == Some(pid));
+            let Some(space) = self
+                .family
+                .processes
+                .get_mut(&pid)
+                .and_then(|p| p.space.as_mut())
+            else {
                 continue;
             };
             space.restore_all()?;
@@ -223,13 +309,10 @@ impl Tracer {
         }
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
-            match ptrace::detach(tid, sig) {
-                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {}
-                other => other?,
-            }
+            ptrace::unless_gone(ptrace::detach(tid, sig))?;
         }
-        self.threads.clear();
-        self.processes.clear();
+        self.family.threads.clear();
+        self.family.processes.clear();
         Ok(())
     }
 
@@ -238,22 +321,22 @@ impl Tracer {
     /// resumed (a forked child is cleaned and released); the first stop of
     /// one whose birth is not announced yet is kept for when it is.
     pub(super) fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
-        let (tid, stop) = match ptrace::wait_any() {
+        let (tid, stop) = match self.stops.wait() {
             Ok(Some(found)) => found,
             Ok(None) => return Ok(Stopping::Nothing),
             Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),
             Err(err) => return Err(err.into()),
         };
-        if self.threads.contains_key(&tid) {
+        if self.family.threads.contains_key(&tid) {
             return Ok(Stopping::Known(tid, stop));
         }
-        if let Some(child) = self.announced.remove(&tid) {
+        if let Some(child) = self.family.announced.remove(&tid) {
             self.adopt_stopped(tid, child)?;
-            if self.threads.contains_key(&tid) {
+            if self.family.threads.contains_key(&tid) {
                 return Ok(Stopping::Adopted(tid));
             }
-        } else if !matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
-            self.early.insert(tid, stop);
+        } else if Stopped::of(stop) != Stopped::Gone {
+            self.family.early.insert(tid, stop);
         }
         Ok(Stopping::Nothing)
     }
@@ -264,27 +347,9 @@ impl Tracer {
             return false;
         };
         let at = regs.rip.wrapping_sub(1);
-        self.space_of(tid)
-            .is_some_and(|s| s.is_return(at) || s.breakpoints.contains_key(&at))
-    }
-
-    pub(super) fn space_of(&self, tid: Tid) -> Option<&super::space::Space> {
-        let owner = self.owner_of(tid)?;
-        self.processes.get(&owner)?.space.as_ref()
-    }
-
-    pub(super) fn space_of_mut(&mut self, tid: Tid) -> Option<&mut super::space::Space> {
-        let owner = self.owner_of(tid)?;
-        self.processes.get_mut(&owner)?.space.as_mut()
-    }
-
-    /// The process whose address space the thread runs in.
-    fn owner_of(&self, tid: Tid) -> Option<Tid> {
-        let pid = self.threads.get(&tid)?.pid;
-        Some(match self.processes.get(&pid)?.role {
-            Role::Shares { parent } => parent,
-            _ => pid,
-        })
+        self.family
+            .space_of(tid)
+            .is_some_and(|s| s.hooks.is_return(at) || s.hooks.contains(at))
     }
 
     /// A thread reported the SIGTRAP of one of our int3s while detaching:
@@ -295,13 +360,13 @@ impl Tracer {
             return Ok(true);
         };
         let at = regs.rip.wrapping_sub(1);
-        let Some(space) = self.space_of(tid) else {
+        let Some(space) = self.family.space_of(tid) else {
             return Ok(false);
         };
-        if space.is_return(at) {
+        if space.hooks.is_return(at) {
             // A call came back through its stub: record it; the thread goes on
             // past the int3 to the caller.
-            let pid = self.threads[&tid].pid;
+            let pid = self.family.pid_of(tid).unwrap_or(tid);
             self.settle_copy(tid, true);
             if let Some(call) = self.returning_call(tid, regs.rsp) {
                 let stored = super::calls::stored_block(pid, &call, regs.rax);
@@ -309,8 +374,15 @@ impl Tracer {
             }
             return Ok(true);
         }
-        if space.breakpoints.contains_key(&at) {
+        if space.hooks.contains(at) {
             regs.rip = at;
+            ptrace::set_regs(tid, &regs)?;
+            return Ok(true);
+        }
+        if let Some(hook) = space.hooks.missed(at) {
+            // A jump probe's thread without a slot: its call has not begun;
+            // it begins again at the restored entry.
+            regs.rip = hook.addr;
             ptrace::set_regs(tid, &regs)?;
             return Ok(true);
         }
@@ -319,24 +391,16 @@ impl Tracer {
 
     /// Adopt a new child during detach: threads stay stopped (to be detached
     /// with the rest), forked children are cleaned and released now.
-    pub(super) fn adopt_stopped(
-        &mut self,
-        tid: Tid,
-        child: super::Child,
-    ) -> Result<(), TraceError> {
+    pub(super) fn adopt_stopped(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
         match child {
-            super::Child::Thread { pid } => {
+            Child::Thread { pid } => {
                 self.add_thread(tid, pid);
                 Ok(())
             }
-            super::Child::Shared { parent } => {
-                self.processes.insert(
-                    tid,
-                    super::Process {
-                        role: Role::Shares { parent },
-                        space: None,
-                    },
-                );
+            Child::Shared { parent, by } => {
+                let mut process = Process::new(Role::Shares { parent }, None);
+                process.paused = Some(by);
+                self.family.processes.insert(tid, process);
                 self.add_thread(tid, tid);
                 Ok(())
             }

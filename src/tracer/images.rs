@@ -2,8 +2,10 @@
 //! linker's hook, hooked, announced to the unwinders and the pipeline, and
 //! forgotten when unmapped or replaced by an exec.
 
-use super::space::{Changes, LoadedModule, Space};
-use super::{Process, Role, TraceError, Tracer};
+use super::process::{Process, Role};
+use super::space::images::LoadedModule;
+use super::space::{Changes, Space};
+use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::TraceMsg;
@@ -11,70 +13,112 @@ use crate::unwind::{Unwinder, UnwinderKind};
 
 impl Tracer {
     pub(super) fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
-        let pid = self.threads[&tid].pid;
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
         // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
         // under ptrace"); the exec'ing thread now has the leader's tid.
-        let gone: Vec<Tid> = self
-            .threads
-            .iter()
-            .filter(|(t, th)| th.pid == pid && **t != tid)
-            .map(|(t, _)| *t)
-            .collect();
-        for t in gone {
-            self.settle_copy(t, false);
-            self.threads.remove(&t);
+        for t in self.family.threads_of(pid) {
+            if t != tid {
+                self.settle_copy(t, false);
+                self.family.threads.remove(&t);
+            }
         }
-        // A new address space: libunwind starts afresh.
-        self.libunwind.remove(&pid);
-        if let Some(thread) = self.threads.get_mut(&tid) {
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.in_call = None;
             thread.stack = None;
         }
-        let role = self.processes.get(&pid).map(|p| p.role);
+        let role = self.family.processes.get(&pid).map(|p| p.role);
         match role {
             Some(Role::Shares { .. }) if !self.opts.follow_forks => {
                 // A vfork child now has its own, clean, address space.
-                self.processes.remove(&pid);
-                self.threads.remove(&tid);
-                return match ptrace::detach(tid, 0) {
-                    Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                    other => Ok(other?),
-                };
+                self.end_sharing(pid);
+                self.family.processes.remove(&pid);
+                self.family.threads.remove(&tid);
+                return Ok(ptrace::unless_gone(ptrace::detach(tid, 0))?);
             }
             Some(Role::Traced) => {
+                self.drain_process(pid, true);
+                self.count_probes(pid);
                 self.forget_images(pid);
                 self.ledger.forget_process(pid as u32);
-                self.aliases.retain(|(p, _), _| *p != pid);
-                self.sites.retain(|(p, _), _| *p != pid);
             }
+            Some(Role::Shares { .. }) => self.end_sharing(pid),
             _ => {}
         }
-        let space = Space::new(pid, self.copies_wanted())?;
-        let process = self.processes.entry(pid).or_insert(Process {
-            role: Role::Traced,
-            space: None,
-        });
-        process.role = Role::Traced;
-        process.space = Some(space);
+        // A new address space: what was known of the old one goes.
+        let space = Space::new(pid, self.catch())?;
+        self.family
+            .processes
+            .entry(pid)
+            .or_insert_with(|| Process::new(Role::Traced, None))
+            .exec(space);
         self.send_thread(tid, None);
         let signals = self.refresh_images(pid, tid)?;
+        // A static executable has all its code now: nothing to hook is
+        // nothing to record, and the user must hear of it. (A dynamic one
+        // is judged when it ends, its libraries loaded.)
+        let is_static = self
+            .family
+            .space_of(tid)
+            .and_then(|s| s.modules.values().find(|m| m.is_main))
+            .is_some_and(|m| m.image.interpreter.is_none());
+        if is_static {
+            self.warn_if_unhooked(pid);
+        }
         self.resume_with(tid, signals)
+    }
+
+    /// Warn, once per process, when a traced process has no allocator
+    /// function memptrace could hook: its calls are not recorded.
+    pub(super) fn warn_if_unhooked(&mut self, pid: Tid) {
+        let Some(process) = self.family.processes.get_mut(&pid) else {
+            return;
+        };
+        let Some(space) = process.space.as_ref() else {
+            return;
+        };
+        if process.role != Role::Traced || process.warned || space.hooks.allocators() > 0 {
+            return;
+        }
+        process.warned = true;
+        let program = space.modules.values().find(|m| m.is_main).map_or_else(
+            || format!("process {pid}"),
+            |m| format!("process {pid} ({})", m.path),
+        );
+        self.stats.warnings.push(format!(
+            "{program}: no allocator function (malloc, free, ...) found to hook in any of its \
+             images; its calls are not recorded"
+        ));
     }
 
     /// Re-read the process's images, hook new ones and tell the pipeline.
     /// Returns signals that arrived while system calls were injected.
     pub(super) fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        let Some(space) = self.processes.get_mut(&pid).and_then(|p| p.space.as_mut()) else {
+        let Some(space) = self
+            .family
+            .processes
+            .get_mut(&pid)
+            .and_then(|p| p.space.as_mut())
+        else {
             return Ok(Vec::new());
         };
         let changes = space.refresh(tid, &mut self.next_module_id)?;
-        let hooked = space.breakpoints.len() as u64;
+        let hooked = space.hooks.allocators() as u64;
         let Changes {
             added,
             removed,
             signals,
             warnings,
+            planted,
         } = changes;
+        for p in planted {
+            let image = crate::report::stacks::file_name(&p.module).to_string();
+            for op in p.ops {
+                let key = format!("{image}:{op}");
+                if !self.stats.probes.iter().any(|(k, _)| *k == key) {
+                    self.stats.probes.push((key, p.how.clone()));
+                }
+            }
+        }
         let now = self.now_ns();
         for module in removed {
             self.send(TraceMsg::ImageGone {
@@ -83,7 +127,12 @@ impl Tracer {
                 range: module.range.clone(),
                 ts_ns: now,
             });
-            if let Some(lu) = self.libunwind.get_mut(&pid) {
+            let libunwind = self
+                .family
+                .processes
+                .get_mut(&pid)
+                .and_then(|p| p.libunwind.as_mut());
+            if let Some(lu) = libunwind {
                 lu.remove_image(module.range);
             }
         }
@@ -110,7 +159,12 @@ impl Tracer {
     }
 
     fn forget_images(&mut self, pid: Tid) {
-        let Some(space) = self.processes.get(&pid).and_then(|p| p.space.as_ref()) else {
+        let Some(space) = self
+            .family
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref())
+        else {
             return;
         };
         let now = self.now_ns();
@@ -124,7 +178,7 @@ impl Tracer {
                 ts_ns: now,
             })
             .collect();
-        self.batch.extend(gone);
+        self.out.extend(gone);
     }
 
     /// libunwind's state for process `pid`, made on first use; `None` when
@@ -134,11 +188,10 @@ impl Tracer {
         if !(self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind) {
             return None;
         }
-        if let std::collections::hash_map::Entry::Vacant(slot) = self.libunwind.entry(pid) {
+        let process = self.family.processes.get_mut(&pid)?;
+        if process.libunwind.is_none() {
             match LibunwindUnwinder::new() {
-                Ok(lu) => {
-                    slot.insert(lu);
-                }
+                Ok(lu) => process.libunwind = Some(lu),
                 Err(err) => {
                     self.stats
                         .warnings
@@ -147,6 +200,6 @@ impl Tracer {
                 }
             }
         }
-        self.libunwind.get_mut(&pid)
+        process.libunwind.as_mut()
     }
 }

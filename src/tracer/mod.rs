@@ -1,15 +1,19 @@
 //! The wait loop: every stop of every traced thread comes through here.
 //!
-//! The tracer owns the processes and threads it traces, their address spaces
-//! (`space`) and the book of live blocks (`ledger`). It turns breakpoint
-//! stops into calls (`calls`) and hands them, with everything else it learns
-//! (images, threads), to the pipeline thread in batches. It never writes a
-//! database and never unwinds with framehop itself: the stop path stays short.
+//! The tracer owns the processes and threads it traces (`process`), their
+//! address spaces (`space`) with the probes planted in them (`probes`), and
+//! the book of live blocks (`ledger`). It turns probe stops into calls
+//! (`calls`), reads what the jump probes recorded (`rings`), and hands it
+//! all, with everything else it learns (images, threads), to the pipeline
+//! thread in batches (`outbox`). It never writes a database and never
+//! unwinds with framehop itself: the stop path stays short.
 //!
 //! Rules it keeps (`ptrace(2)`): threads are seized, so group-stops are seen as
 //! PTRACE_EVENT_STOP and answered with PTRACE_LISTEN; signals are re-injected
 //! with their number, real-time ones included; a SIGTRAP that is not one of
-//! memptrace's int3s is delivered to the program.
+//! memptrace's int3s is delivered to the program. Stopped threads are served
+//! in turn (`stops`), so that a traced program's threads keep their relative
+//! speeds.
 
 mod attach;
 mod calls;
@@ -19,32 +23,61 @@ mod copies;
 mod detach;
 mod images;
 mod inject;
+mod jumps;
 mod ledger;
+mod outbox;
+mod probes;
+mod process;
+mod rings;
 mod space;
-mod trampoline;
+mod stop;
+mod stops;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::io;
-use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::event::Op;
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
 use crate::sink::{Record, SinkError, ThreadRecord};
 use crate::unwind::UnwinderKind;
-use crate::unwind::libunwind::LibunwindUnwinder;
-use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
+use crate::unwind::pipeline::{PipelineHandle, TraceMsg};
 use ledger::Ledger;
-use space::Space;
+use outbox::Outbox;
+use process::{Family, Process, Role, Thread};
+use rings::TscClock;
+use space::Catch;
+use stop::Stopped;
+use stops::Stops;
 
-pub use trampoline::RelocateError;
+pub use probes::int3::RelocateError;
+
+/// How the calls of allocator functions are caught (`--probes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ProbeMode {
+    /// A jump to code that records each call inside the target, with no
+    /// stop (an int3 sends the thread there where a jump is not safe).
+    #[default]
+    Jump,
+    /// An int3 on each entry: a ptrace stop per call (the reference).
+    Int3,
+}
+
+impl ProbeMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ProbeMode::Jump => "jump",
+            ProbeMode::Int3 => "int3",
+        }
+    }
+}
 
 /// What to record.
 #[derive(Clone, Debug)]
 pub struct TraceOptions {
+    pub probes: ProbeMode,
     pub max_depth: usize,
     pub unwinder: UnwinderKind,
     /// Take a stack for each call (`--no-stacks` turns it off).
@@ -86,10 +119,21 @@ pub struct TraceStats {
     /// Stack copies by the thread itself that ran into unmapped memory (read
     /// by memptrace instead; the program never saw the fault).
     pub copy_faults: u64,
+    /// Stack walks of jump probes that ran into unmapped memory (the stack
+    /// ends there; the program never saw the fault).
+    pub walk_faults: u64,
     /// Images found, and the allocator functions hooked in them.
     pub images: u64,
     pub hooked_functions: u64,
     pub warnings: Vec<String>,
+    /// How each allocator function was hooked: (`<image>:<function>`,
+    /// `jump` or `int3` and why).
+    pub probes: Vec<(String, String)>,
+    /// Stacks that ended where no unwind rule covered an address.
+    pub truncated_stacks: u64,
+    /// Sequence numbers of jump probes never seen (a thread that left a
+    /// probe halfway through committing a record).
+    pub skipped_records: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,102 +155,44 @@ pub enum TraceError {
     },
     #[error("no allocator function (malloc, free, ...) in any image of process {0}")]
     NoAllocator(Tid),
+    #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]
+    AttachAbandoned { pid: Tid, reason: String },
 }
 
-/// The role of a traced process.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    /// Launched, not yet through its first execve.
-    Prelaunch,
-    Traced,
-    /// A vfork child (or a clone sharing memory): it runs in its parent's
-    /// address space, breakpoints included, until it execs. Its calls are not
-    /// recorded; it is released when it execs or exits.
-    Shares {
-        parent: Tid,
-    },
-}
+/// How long stopping every thread (to attach or detach) may go without a
+/// single thread reporting its stop before memptrace stops waiting: a thread
+/// that does not stop in that time (uninterruptible sleep, a frozen cgroup)
+/// is not waited for forever.
+const PATIENCE: Duration = Duration::from_secs(2);
 
-struct Process {
-    role: Role,
-    space: Option<Space>,
-}
-
-/// A call that entered the allocator and has not returned yet.
-#[derive(Debug)]
-struct PendingCall {
-    op: Op,
-    args: [u64; 3],
-    /// rsp at entry: where the caller's return address sits.
-    entry_sp: u64,
-    /// The slot's call stub the thread went through (see
-    /// `trampoline::slot_code`): the call returns to its int3.
-    stub: u64,
-    stack: CallStack,
-    module_id: u64,
-}
-
-struct Thread {
-    pid: Tid,
-    in_call: Option<PendingCall>,
-    /// The memory mapping that holds this thread's stack.
-    stack: Option<Range<u64>>,
-    start_ns: u64,
-    /// A stack copy the thread was sent to make, not taken yet.
-    copy: Option<copies::PendingCopy>,
-}
-
-/// A child announced by a clone/fork/vfork event, before its first stop.
-#[derive(Clone, Copy, Debug)]
-enum Child {
-    Thread { pid: Tid },
-    Fork { parent: Tid },
-    Shared { parent: Tid },
-}
-
-/// How long the tracer polls for the next stop before it sleeps.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
-
-/// Messages per batch sent to the pipeline.
-const BATCH: usize = 1024;
-
-/// Bytes of stack copies per batch, at most (about 32 calls with deep
-/// stacks): the pipeline's queue holds 32 batches, so what waits for
-/// unwinding stays near 32 MiB however deep the program's stacks are.
-const BATCH_BYTES: usize = 1 << 20;
-
-pub struct Tracer {
-    opts: TraceOptions,
-    clock: Instant,
-    pipeline: PipelineHandle,
-    batch: Vec<TraceMsg>,
-    /// Bytes of stack copies in `batch`.
-    batch_bytes: usize,
-    /// Calls in `batch` (by index) waiting for the copy their thread makes.
-    awaiting: BTreeMap<usize, Tid>,
-    processes: HashMap<Tid, Process>,
-    threads: HashMap<Tid, Thread>,
-    /// First stops of threads whose creation event has not been seen yet.
-    early: HashMap<Tid, Stop>,
-    /// Children announced whose first stop has not been seen yet.
-    announced: HashMap<Tid, Child>,
-    ledger: Ledger,
-    next_module_id: u64,
+/// How the trace is going: its root, how it ends, and what ends it.
+struct Control {
+    /// The process launched or attached to: its end is the trace's.
     root: Tid,
     ending: Option<Ending>,
-    /// libunwind's state per traced process (`--unwinder libunwind` only):
-    /// images of different processes may share addresses.
-    libunwind: HashMap<Tid, LibunwindUnwinder>,
-    aliases: HashMap<(Tid, u64), Op>,
-    /// Calls seen per call site (pid, return address), for `stack_every`.
-    sites: HashMap<(Tid, u64), u64>,
-    progress: Arc<Progress>,
-    stats: TraceStats,
     last_tick: u32,
+    /// Threads memptrace stopped and has not resumed (while attaching), with
+    /// the signal each must get when let go (0 for none).
+    held: HashMap<Tid, i32>,
     /// memptrace attached to a running process (rather than launching it):
     /// the first Ctrl-C ends the trace, since it cannot reach the program.
     attached: bool,
     deadline: Option<Instant>,
+}
+
+pub struct Tracer {
+    opts: TraceOptions,
+    clock: Instant,
+    /// The jump probes' clock in the trace's (jump probes only).
+    tsc: Option<TscClock>,
+    family: Family,
+    stops: Stops,
+    out: Outbox,
+    ledger: Ledger,
+    next_module_id: u64,
+    progress: Arc<Progress>,
+    stats: TraceStats,
+    control: Control,
 }
 
 impl Tracer {
@@ -218,14 +204,11 @@ impl Tracer {
         clock: Instant,
         progress: Arc<Progress>,
     ) -> io::Result<Tracer> {
-        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress)?;
-        tracer.processes.insert(
-            root,
-            Process {
-                role: Role::Prelaunch,
-                space: None,
-            },
-        );
+        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress);
+        tracer
+            .family
+            .processes
+            .insert(root, Process::new(Role::Prelaunch, None));
         tracer.add_thread(root, root);
         Ok(tracer)
     }
@@ -237,48 +220,84 @@ impl Tracer {
         root: Tid,
         clock: Instant,
         progress: Arc<Progress>,
-    ) -> io::Result<Tracer> {
+    ) -> Tracer {
         let deadline = opts.duration.map(|d| Instant::now() + d);
-        Ok(Tracer {
+        let tsc = (opts.probes == ProbeMode::Jump)
+            .then(|| TscClock::calibrate(|| clock.elapsed().as_nanos() as u64));
+        Tracer {
             opts,
             clock,
-            pipeline,
-            batch: Vec::with_capacity(BATCH),
-            batch_bytes: 0,
-            awaiting: BTreeMap::new(),
-            processes: HashMap::new(),
-            threads: HashMap::new(),
-            early: HashMap::new(),
-            announced: HashMap::new(),
+            tsc,
+            family: Family::default(),
+            stops: Stops::default(),
+            out: Outbox::new(pipeline),
             ledger: Ledger::new(),
             next_module_id: 0,
-            root,
-            ending: None,
-            libunwind: HashMap::new(),
-            aliases: HashMap::new(),
-            sites: HashMap::new(),
             progress,
             stats: TraceStats::default(),
-            last_tick: signals::ticks(),
-            attached: false,
-            deadline,
-        })
+            control: Control {
+                root,
+                ending: None,
+                last_tick: signals::ticks(),
+                held: HashMap::new(),
+                attached: false,
+                deadline,
+            },
+        }
     }
 
     pub fn stats(&self) -> &TraceStats {
         &self.stats
     }
 
+    /// How the allocator functions of a new address space are caught: jump
+    /// probes unless int3 probes are asked for (or libunwind, which walks a
+    /// stopped thread's stack, unwinds).
+    fn catch(&self) -> Catch {
+        let libunwind = self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind;
+        if self.opts.probes == ProbeMode::Jump && !libunwind {
+            let max_frames = if self.opts.stacks {
+                self.opts.max_depth as u64
+            } else {
+                1
+            };
+            Catch::Jump { max_frames }
+        } else {
+            Catch::Int3 {
+                buffers: self.copies_wanted(),
+            }
+        }
+    }
+
+    /// Jump probes catch the calls of this trace.
+    fn jumps(&self) -> bool {
+        self.tsc.is_some()
+    }
+
     /// Trace until the program exits or memptrace is told to stop; then hand
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
         let ending = self.wait_loop();
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.warn_if_unhooked(pid);
+        }
+        if ending.is_err() && !self.family.threads.is_empty() {
+            // Whatever went wrong, the program is not left with memptrace's
+            // bytes in it (nor killed by memptrace's exit): let it go.
+            let _ = self.detach_all();
+        }
         self.settle_all(false);
+        self.drain_rings(true);
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.count_probes(pid);
+        }
         let flushed = self.flush();
         let ending = ending?;
         flushed?;
         let stats = std::mem::take(&mut self.stats);
-        Ok((ending, stats, self.pipeline))
+        Ok((ending, stats, self.out.into_pipeline()))
     }
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {
@@ -287,10 +306,18 @@ impl Tracer {
                 self.detach_all()?;
                 return Ok(Ending::Detached { reason });
             }
-            if self.processes.is_empty() && self.announced.is_empty() {
+            if self.family.is_empty() {
                 break;
             }
-            if self.batch.len() >= BATCH || self.batch_bytes >= BATCH_BYTES || self.ticked() {
+            if self.ticked() {
+                if let Some(clock) = self.tsc.as_mut() {
+                    clock.refine(
+                        self.clock.elapsed().as_nanos() as u64,
+                        crate::os::local::tsc(),
+                    );
+                }
+                self.flush()?;
+            } else if self.out.full() {
                 self.flush()?;
             }
             match self.next_stop() {
@@ -300,29 +327,40 @@ impl Tracer {
                 Err(err) => return Err(err.into()),
             }
         }
-        Ok(self.ending.clone().unwrap_or(Ending::Exited(0)))
+        Ok(self.control.ending.clone().unwrap_or(Ending::Exited(0)))
     }
 
-    /// The next stop of any traced thread. Polls for a while before sleeping
-    /// in waitpid: on virtual machines, waking a tracer whose CPU went idle
-    /// costs far more than the stop itself (measured in docs/performance.md),
-    /// and an allocating program stops again within microseconds. Whatever is
-    /// batched goes to the pipeline before sleeping.
+    /// The next stop to serve (see [`Stops`]); whatever is batched goes to
+    /// the pipeline before the tracer sleeps.
     fn next_stop(&mut self) -> io::Result<Option<(Tid, Stop)>> {
-        let deadline = Instant::now() + SPIN;
-        loop {
-            if let Some(found) = ptrace::poll_any()? {
-                return Ok(Some(found));
-            }
-            if Instant::now() >= deadline {
-                break;
-            }
-            std::hint::spin_loop();
+        if self.jumps() {
+            return self.next_stop_reading_rings();
         }
-        if self.flush().is_err() {
-            // The pipeline is gone; the wait loop finds out when it sends next.
+        if let Some(found) = self.stops.poll()? {
+            return Ok(Some(found));
         }
-        ptrace::wait_any()
+        // The pipeline is gone if this fails; the wait loop finds out when
+        // it sends next.
+        let _ = self.flush();
+        self.stops.wait()
+    }
+
+    /// With jump probes: read the rings between stops; with nothing to read
+    /// and no stop, sleep until a tracee stops (SIGCHLD), 1 ms at most.
+    fn next_stop_reading_rings(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        if let Some(found) = self.stops.ready() {
+            return Ok(Some(found));
+        }
+        let read = self.drain_rings(false);
+        if let Some(found) = self.stops.poll_once()? {
+            return Ok(Some(found));
+        }
+        if read == 0 {
+            let _ = self.flush();
+            signals::wait_child(Duration::from_millis(1));
+            return self.stops.poll_once();
+        }
+        Ok(None)
     }
 
     /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
@@ -334,37 +372,28 @@ impl Tracer {
             return Some(format!("memptrace received {}", signal_name(sig)));
         }
         match signals::interrupts() {
-            1 if self.attached => return Some("interrupted (Ctrl-C)".to_string()),
+            1 if self.control.attached => return Some("interrupted (Ctrl-C)".to_string()),
             n if n >= 2 => return Some("interrupted (Ctrl-C twice)".to_string()),
             _ => {}
         }
-        let deadline = self.deadline?;
+        let deadline = self.control.deadline?;
         (Instant::now() >= deadline).then(|| "the --duration elapsed".to_string())
     }
 
     fn ticked(&mut self) -> bool {
         let now = signals::ticks();
-        let ticked = now != self.last_tick;
-        self.last_tick = now;
+        let ticked = now != self.control.last_tick;
+        self.control.last_tick = now;
         ticked
     }
 
     /// Hand the batch to the pipeline, up to the first call still waiting for
     /// its thread's stack copy (see [`copies`]).
     fn flush(&mut self) -> Result<(), TraceError> {
-        if !self.awaiting.is_empty() {
+        if self.out.awaiting_copies() {
             self.settle_finished();
         }
-        let n = self.sendable();
-        if n == 0 && !self.batch.is_empty() {
-            return Ok(());
-        }
-        let rest = self.batch.split_off(n);
-        let batch = std::mem::replace(&mut self.batch, rest);
-        self.shift_awaiting(n);
-        self.batch_bytes = 0;
-        self.pipeline.send(batch)?;
-        Ok(())
+        Ok(self.out.send_ready()?)
     }
 
     fn now_ns(&self) -> u64 {
@@ -372,26 +401,17 @@ impl Tracer {
     }
 
     fn send(&mut self, msg: TraceMsg) {
-        self.batch.push(msg);
+        self.out.push(msg);
     }
 
     fn add_thread(&mut self, tid: Tid, pid: Tid) {
         let start_ns = self.now_ns();
-        self.threads.insert(
-            tid,
-            Thread {
-                pid,
-                in_call: None,
-                stack: None,
-                start_ns,
-                copy: None,
-            },
-        );
+        self.family.threads.insert(tid, Thread::new(pid, start_ns));
         self.send_thread(tid, None);
     }
 
     fn send_thread(&mut self, tid: Tid, end_ns: Option<u64>) {
-        let Some(thread) = self.threads.get(&tid) else {
+        let Some(thread) = self.family.threads.get(&tid) else {
             return;
         };
         let record = ThreadRecord {
@@ -407,85 +427,75 @@ impl Tracer {
     /// Resume a thread, delivering `sig`. A thread that vanished meanwhile
     /// (killed) is not an error: its exit is reported by waitpid.
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
-        match ptrace::cont(tid, sig) {
-            Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-            other => Ok(other?),
-        }
+        Ok(ptrace::unless_gone(ptrace::cont(tid, sig))?)
     }
 
     fn dispatch(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        let Some(thread) = self.threads.get(&tid) else {
+        let Some(thread) = self.family.threads.get(&tid) else {
             return self.unknown(tid, stop);
         };
         if thread.copy.is_some() {
             self.settle_at_stop(tid, &stop);
         }
-        match stop {
-            Stop::Exited(_) | Stop::Killed { .. } => self.thread_gone(tid, stop),
-            Stop::Signal(libc::SIGTRAP) => self.trap(tid),
-            Stop::Signal(libc::SIGSEGV | libc::SIGBUS) if self.copy_faulted(tid) => {
-                self.recover_copy(tid)
-            }
-            Stop::Signal(sig) => self.resume(tid, sig),
-            Stop::Event(event) => self.ptrace_event(tid, event),
-            Stop::EventStop(_) | Stop::Syscall => self.resume_from(tid, stop),
-        }
-    }
-
-    /// A stop of a thread we do not know yet: a new thread or child whose
-    /// creation event is still queued behind it.
-    fn unknown(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        if matches!(stop, Stop::Exited(_) | Stop::Killed { .. }) {
-            // A thread that vanished in an exec, or a released child.
-            self.announced.remove(&tid);
-            return Ok(());
-        }
-        match self.announced.remove(&tid) {
-            Some(child) => self.adopt(tid, child, stop),
-            None => {
-                self.early.insert(tid, stop);
-                Ok(())
-            }
-        }
-    }
-
-    fn ptrace_event(&mut self, tid: Tid, event: i32) -> Result<(), TraceError> {
-        match event {
-            libc::PTRACE_EVENT_CLONE | libc::PTRACE_EVENT_FORK | libc::PTRACE_EVENT_VFORK => {
+        match Stopped::of(stop) {
+            Stopped::Gone => self.thread_gone(tid, stop),
+            Stopped::Trap => self.trap(tid),
+            Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
+            Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
+                Some(to) => self.recover_walk(tid, to),
+                None => self.resume(tid, sig),
+            },
+            Stopped::Fault(sig) | Stopped::Signal(sig) => self.resume(tid, sig),
+            Stopped::Birth(event) => {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)
             }
-            libc::PTRACE_EVENT_EXEC => self.exec(tid),
-            libc::PTRACE_EVENT_EXIT => {
+            Stopped::Exec => self.exec(tid),
+            Stopped::Exiting => {
+                self.release_slots(tid);
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
-                if let Some(thread) = self.threads.get_mut(&tid) {
+                if let Some(thread) = self.family.threads.get_mut(&tid) {
                     if thread.in_call.take().is_some() {
                         self.stats.lost_returns += 1;
                     }
                 }
                 self.resume(tid, 0)
             }
-            _ => self.resume(tid, 0),
+            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
+            Stopped::Interrupt => self.resume(tid, 0),
         }
     }
 
-    /// Resume a thread from a PTRACE_EVENT_STOP (or a syscall stop). A
-    /// group-stop (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU) is not ended: the
-    /// thread stays stopped, listening for SIGCONT, as it would untraced.
+    /// A stop of a thread we do not know yet: a new thread or child whose
+    /// creation event is still queued behind it.
+    fn unknown(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        if Stopped::of(stop) == Stopped::Gone {
+            // A thread that vanished in an exec, or a released child.
+            self.family.announced.remove(&tid);
+            return Ok(());
+        }
+        match self.family.announced.remove(&tid) {
+            Some(child) => self.adopt(tid, child, stop),
+            None => {
+                self.family.early.insert(tid, stop);
+                Ok(())
+            }
+        }
+    }
+
+    /// Resume a thread from its first stop: a group-stop is not ended (the
+    /// thread stays stopped, listening for SIGCONT, as it would untraced).
     fn resume_from(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        match stop {
-            Stop::EventStop(sig) if is_stopping_signal(sig) => match ptrace::listen(tid) {
-                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => Ok(()),
-                other => Ok(other?),
-            },
+        match Stopped::of(stop) {
+            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
             _ => self.resume(tid, 0),
         }
     }
 
     /// Resume a thread delivering the first signal now and queueing the rest.
     fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
-        let pid = self.threads.get(&tid).map_or(tid, |t| t.pid);
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
         for &sig in signals.iter().skip(1) {
             let _ = ptrace::tgkill(pid, tid, sig);
         }
@@ -494,13 +504,26 @@ impl Tracer {
 
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
         self.settle_copy(tid, false);
-        if let Some(b) = self.space_of_mut(tid).and_then(|s| s.buffers.as_mut()) {
+        self.stops.forget(tid);
+        if let Some(b) = self
+            .family
+            .space_of_mut(tid)
+            .and_then(|s| s.buffers.as_mut())
+        {
             b.release(tid);
         }
-        let Some(thread) = self.threads.remove(&tid) else {
+        if self.family.pid_of(tid) == Some(tid) {
+            self.end_sharing(tid);
+        }
+        let Some(thread) = self.family.threads.remove(&tid) else {
             return Ok(());
         };
-        if let Some(lu) = self.libunwind.get_mut(&thread.pid) {
+        if let Some(lu) = self
+            .family
+            .processes
+            .get_mut(&thread.pid)
+            .and_then(|p| p.libunwind.as_mut())
+        {
             lu.forget_thread(tid);
         }
         if thread.in_call.is_some() {
@@ -510,20 +533,15 @@ impl Tracer {
             return Ok(());
         }
         // The leader's exit is reported last: the whole process is gone.
-        let others: Vec<Tid> = self
-            .threads
-            .iter()
-            .filter(|(_, t)| t.pid == tid)
-            .map(|(&t, _)| t)
-            .collect();
-        for t in others {
+        self.warn_if_unhooked(tid);
+        self.drain_process(tid, true);
+        self.count_probes(tid);
+        for t in self.family.threads_of(tid) {
             self.settle_copy(t, false);
+            self.family.threads.remove(&t);
         }
-        let process = self.processes.remove(&tid);
-        self.threads.retain(|_, t| t.pid != tid);
-        self.libunwind.remove(&tid);
-        if let Some(process) = process {
-            if matches!(process.role, Role::Traced | Role::Prelaunch) {
+        if let Some(process) = self.family.processes.remove(&tid) {
+            if process.recorded() {
                 self.send(TraceMsg::ProcessGone { pid: tid as u32 });
                 self.ledger.forget_process(tid as u32);
             }
@@ -531,8 +549,8 @@ impl Tracer {
                 self.release_sharers(tid, space)?;
             }
         }
-        if tid == self.root {
-            self.ending = Some(match stop {
+        if tid == self.control.root {
+            self.control.ending = Some(match stop {
                 Stop::Killed { sig, core } => Ending::Killed { sig, core },
                 Stop::Exited(code) => Ending::Exited(code),
                 _ => Ending::Exited(0),
@@ -540,13 +558,6 @@ impl Tracer {
         }
         Ok(())
     }
-}
-
-fn is_stopping_signal(sig: i32) -> bool {
-    matches!(
-        sig,
-        libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU
-    )
 }
 
 /// "SIGTERM" for 15, and so on.

@@ -41,8 +41,7 @@ impl Unwinder for LibunwindUnwinder {
     }
 
     fn unwind(&mut self, tid: i32, sample: &StackSample, out: &mut Vec<u64>, max: usize) {
-        // SAFETY: user_regs_struct is plain integers; zero is a valid value.
-        let mut regs: Regs = unsafe { std::mem::zeroed() };
+        let mut regs: Regs = crate::os::ptrace::zeroed_regs();
         regs.rip = sample.ip;
         regs.rsp = sample.sp;
         regs.rbp = sample.bp;

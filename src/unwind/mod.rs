@@ -14,6 +14,7 @@ pub mod framehop;
 pub mod intern;
 pub mod libunwind;
 pub mod pipeline;
+pub mod tables;
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -231,3 +231,233 @@ fn attach_refusals() {
     let out = victim.finish();
     assert_eq!(out.code(), 0, "{}{}", out.stdout, out.stderr);
 }
+
+/// The lines of /proc/PID/maps: what an attach that gave up must leave as
+/// it found.
+fn maps(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap()
+}
+
+/// A static binary with no allocator to find: the attach is refused with the
+/// launch's own error, at once, and the process runs on as it was.
+#[test]
+fn attach_to_a_static_binary_with_nothing_to_hook() {
+    let program = tracee(Variant::Static, "nolibc");
+    let dir = scratch("attach-nolibc");
+    let launched = run(
+        memptrace()
+            .arg("-o")
+            .arg(dir.join("launch.db"))
+            .arg("--")
+            .arg(&program),
+        b"",
+    );
+    assert_eq!(launched.code(), 1, "{}", launched.stderr);
+    assert_eq!(launched.stderr.lines().count(), 1, "{:?}", launched.stderr);
+
+    let mut target = Background::start(&mut std::process::Command::new(&program));
+    let pid: i32 = target.wait_for("ready").parse().unwrap();
+    let before = maps(pid);
+    let db = dir.join("attach.db");
+    let out = run(
+        memptrace()
+            .args(["attach", &pid.to_string(), "-o"])
+            .arg(&db),
+        b"",
+    );
+    assert_eq!(out.code(), 1, "{}", out.stderr);
+    assert_eq!(
+        out.stderr, launched.stderr,
+        "the launch's error, word for word"
+    );
+    assert!(!db.exists(), "no database for an attach that failed");
+    assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+    assert!(proc_status(pid, "State").unwrap().starts_with('S'));
+    assert_eq!(maps(pid), before);
+}
+
+/// Nothing to hook in any image of a running dynamic program (no C library):
+/// the attach stops every thread, finds nothing, and lets the process go at
+/// once, unchanged (memptrace used to wait forever for stops it had seen).
+#[test]
+fn attach_with_no_allocator_in_any_image() {
+    let mut target = Background::start(&mut std::process::Command::new(tracee(
+        Variant::Dynamic,
+        "nolibc",
+    )));
+    let pid: i32 = target.wait_for("ready").parse().unwrap();
+    let before = maps(pid);
+    let dir = scratch("attach-nolibc-dyn");
+    let db = dir.join("attach.db");
+    let out = run(
+        memptrace()
+            .args(["attach", &pid.to_string(), "-o"])
+            .arg(&db),
+        b"",
+    );
+    assert_eq!(out.code(), 1, "{}", out.stderr);
+    assert_eq!(
+        out.stderr,
+        format!(
+            "memptrace: process {pid}: no allocator symbol (malloc, free, ...) in any of its \
+             images (a stripped static binary?); nothing to trace, the process was left as it was\n"
+        )
+    );
+    assert!(!db.exists());
+    assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+    assert!(proc_status(pid, "State").unwrap().starts_with('S'));
+    assert_eq!(
+        maps(pid),
+        before,
+        "the trampoline page of the linker's hook is gone"
+    );
+}
+
+/// A process whose cgroup is frozen: its threads cannot stop for memptrace.
+/// The cgroup is thawed and removed on drop.
+struct Frozen {
+    dir: std::path::PathBuf,
+    state: &'static str,
+    thawed: &'static str,
+}
+
+impl Frozen {
+    fn new(pid: i32) -> Frozen {
+        let name = format!("memptrace-test-{pid}");
+        // cgroup v1's freezer, or v2's cgroup.freeze (unified or pure v2).
+        let candidates = [
+            (
+                "/sys/fs/cgroup/freezer",
+                "freezer.state",
+                "FROZEN",
+                "THAWED",
+            ),
+            ("/sys/fs/cgroup/unified", "cgroup.freeze", "1", "0"),
+            ("/sys/fs/cgroup", "cgroup.freeze", "1", "0"),
+        ];
+        for (root, state, frozen, thawed) in candidates {
+            let dir = std::path::Path::new(root).join(&name);
+            if std::fs::create_dir(&dir).is_err() {
+                continue;
+            }
+            if !dir.join(state).exists() {
+                // A v1 hierarchy of another controller, or not v2 at all.
+                let _ = std::fs::remove_dir(&dir);
+                continue;
+            }
+            let cgroup = Frozen { dir, state, thawed };
+            std::fs::write(cgroup.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+            std::fs::write(cgroup.dir.join(state), frozen).unwrap();
+            crate::support::wait_until("the cgroup is frozen", || {
+                std::fs::read_to_string(cgroup.dir.join(state)).is_ok_and(|s| s.trim() == frozen)
+            });
+            return cgroup;
+        }
+        panic!("this test needs a cgroup freezer (cgroup v1 freezer or v2), as root");
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = std::fs::write(self.dir.join(self.state), self.thawed);
+        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
+        let parent = self.dir.parent().unwrap().join("cgroup.procs");
+        for pid in procs.lines() {
+            let _ = std::fs::write(&parent, pid);
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// Threads that cannot stop (a frozen cgroup): the attach gives up after a
+/// while, or at once on SIGTERM, Ctrl-C or the end of `--duration`, and the
+/// process, once thawed, runs on untraced and unharmed.
+#[test]
+fn attach_to_a_frozen_process_gives_up() {
+    let mut victim =
+        Background::start(std::process::Command::new(tracee(Variant::Dynamic, "victim")).arg("2"));
+    let pid: i32 = victim.wait_for("ready").parse().unwrap();
+    let dir = scratch("attach-frozen");
+    {
+        let frozen = Frozen::new(pid);
+        // Left alone: it waits a while for the threads, then says why.
+        let out = run(
+            memptrace()
+                .args(["attach", &pid.to_string(), "-o"])
+                .arg(dir.join("patience.db")),
+            b"",
+        );
+        assert_eq!(out.code(), 1, "{}", out.stderr);
+        assert_eq!(out.stderr.lines().count(), 1, "{:?}", out.stderr);
+        assert!(
+            out.stderr.starts_with(&format!(
+                "memptrace: attaching to process {pid} given up (threads ["
+            )) && out
+                .stderr
+                .ends_with("] did not stop within 2 s); the process was left as it was\n"),
+            "{:?}",
+            out.stderr
+        );
+        assert!(!dir.join("patience.db").exists());
+        // Told to stop: at once.
+        for (how, says) in [
+            (libc::SIGTERM, "memptrace received SIGTERM"),
+            (libc::SIGINT, "interrupted (Ctrl-C)"),
+        ] {
+            let db = dir.join(format!("signal-{how}.db"));
+            let tracer = Background::start(
+                memptrace()
+                    .args(["attach", &pid.to_string(), "-o"])
+                    .arg(&db),
+            );
+            crate::support::wait_until("memptrace seized the victim", || {
+                proc_status(pid, "TracerPid").is_some_and(|t| t == tracer.pid().to_string())
+            });
+            tracer.signal(how);
+            let out = tracer.finish();
+            assert_eq!(out.code(), 1, "{}", out.stderr);
+            assert_eq!(
+                out.stderr,
+                format!(
+                    "memptrace: attaching to process {pid} given up ({says}); the process was \
+                     left as it was\n"
+                )
+            );
+            assert!(!db.exists());
+        }
+        let out = run(
+            memptrace()
+                .args(["attach", &pid.to_string(), "--duration", "0.2", "-o"])
+                .arg(dir.join("duration.db")),
+            b"",
+        );
+        assert_eq!(out.code(), 1, "{}", out.stderr);
+        assert!(
+            out.stderr.contains("(the --duration elapsed)"),
+            "{:?}",
+            out.stderr
+        );
+        drop(frozen);
+    }
+    // Thawed: untraced, still working, and it finds no damage.
+    crate::support::wait_until("the victim is released", || {
+        proc_status(pid, "TracerPid").as_deref() == Some("0")
+    });
+    let out = run(
+        memptrace()
+            .args(["attach", &pid.to_string(), "--duration", "0.3", "-o"])
+            .arg(dir.join("after.db")),
+        b"",
+    );
+    assert_eq!(
+        out.code(),
+        0,
+        "a normal attach after the thaw: {}",
+        out.stderr
+    );
+    victim.signal(libc::SIGTERM);
+    let out = victim.finish();
+    assert_eq!(out.stderr, "", "the victim found damage");
+    assert_eq!(out.code(), 0, "{}", out.stdout);
+    assert!(out.stdout.contains(" 0 damaged"), "{}", out.stdout);
+}

@@ -109,10 +109,11 @@ fn options_before_attach() {
 }
 
 /// Every warning memptrace prints is also a `meta` row (`warning.1`, ...)
-/// and a line of `memptrace report`. Without CAP_SYS_ADMIN memptrace cannot
-/// map the stack buffers it shares with the program, and says so: as root,
-/// the capability is dropped from the bounding set (setpriv), so the run
-/// has none; any other user has none anyway.
+/// and a line of `memptrace report`. With int3 probes and without
+/// CAP_SYS_ADMIN, memptrace cannot map the stack buffers it shares with the
+/// program, and says so: as root, the capability is dropped from the
+/// bounding set (setpriv), so the run has none; any other user has none
+/// anyway.
 #[test]
 fn warnings_are_stored_and_reported() {
     let dir = scratch("warnings");
@@ -129,7 +130,7 @@ fn warnings_are_stored_and_reported() {
     let out = run(
         cmd.arg("-o")
             .arg(&db)
-            .arg("--")
+            .args(["--probes", "int3", "--"])
             .arg(tracee(Variant::Dynamic, "leaks")),
         b"",
     );

@@ -297,9 +297,16 @@ fn a_stack_mapping_that_shrinks() {
         assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
         t.assert_truth();
         let faults: i64 = t.meta("copy_faults").unwrap().parse().unwrap();
-        assert!(
-            (1..=2).contains(&faults),
-            "{variant:?}: {faults} faults of the copy routine"
-        );
+        if crate::support::probes() == "int3" {
+            assert!(
+                (1..=2).contains(&faults),
+                "{variant:?}: {faults} faults of the copy routine"
+            );
+        } else {
+            // Jump probes walk the stack in place, never past its outermost
+            // frame: nothing to fault on, and no copy routine.
+            assert_eq!(faults, 0, "{variant:?}");
+            assert_eq!(t.meta("walk_faults").as_deref(), Some("0"), "{variant:?}");
+        }
     }
 }

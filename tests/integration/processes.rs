@@ -92,3 +92,32 @@ fn traces_programs_found_in_path() {
     assert!(t.int("SELECT count(*) FROM events WHERE op = 'malloc'") > 0);
     assert!(t.run.stdout.contains("usr"));
 }
+
+/// A traced program that execs a binary with nothing memptrace can hook
+/// (here: no C library at all) is not traced silently: memptrace says so.
+#[test]
+fn exec_of_a_binary_with_nothing_to_hook_is_said() {
+    let program = tracee(Variant::Static, "nolibc");
+    let dir = scratch("exec-nolibc");
+    let db = dir.join("trace.db");
+    let mut traced = crate::support::Background::start(
+        memptrace()
+            .arg("-o")
+            .arg(&db)
+            .args(["--", "sh", "-c"])
+            .arg(format!("exec {}", program.display())),
+    );
+    let pid: i32 = traced.wait_for("ready").parse().unwrap();
+    crate::support::signal(pid, libc::SIGTERM);
+    let out = traced.finish();
+    assert_eq!(out.code(), 128 + libc::SIGTERM, "{}", out.stderr);
+    let warning = format!(
+        "process {pid} ({}): no allocator function (malloc, free, ...) \
+         found to hook in any of its images; its calls are not recorded",
+        program.display()
+    );
+    assert_eq!(out.stderr, format!("memptrace: warning: {warning}\n"));
+    // Kept in the trace too, as every warning is.
+    let t = crate::support::open_trace(&db, out);
+    assert_eq!(t.meta("warning.1"), Some(warning));
+}

@@ -150,11 +150,30 @@ fn build_variant(variant: Variant) -> PathBuf {
                 &[&libdir, "-lneeded", "-Wl,-rpath,$ORIGIN"],
             );
             compile(variant, &["noptrace.c"], &dir.join("noptrace"), &[]);
+            // No C library: the dynamic linker is the only other image.
+            compile(
+                variant,
+                &["nolibc.c"],
+                &dir.join("nolibc"),
+                &[
+                    "-nostdlib",
+                    "-fno-stack-protector",
+                    "-Wl,--dynamic-linker=/lib64/ld-linux-x86-64.so.2",
+                ],
+            );
         }
         Variant::Static => {
             // What `strip -s` leaves of a static binary: no allocator symbol.
             compile(variant, &["leaks.c"], &dir.join("stripped"), &[]);
             build(Command::new("strip").arg("-s").arg(dir.join("stripped")));
+            // No C library at all: no allocator to find by any means.
+            compile(
+                variant,
+                &["nolibc.c"],
+                &dir.join("nolibc"),
+                &["-nostdlib", "-fno-stack-protector"],
+            );
+            build(Command::new("strip").arg("-s").arg(dir.join("nolibc")));
         }
         _ => {}
     }
@@ -715,4 +734,11 @@ impl Trace {
             .map(Result::unwrap)
             .collect()
     }
+}
+
+/// The probes the traces of this test run use: `MEMPTRACE_PROBES` (which
+/// memptrace reads too), jump by default. `scripts/test` runs the suite
+/// once with each.
+pub fn probes() -> String {
+    std::env::var("MEMPTRACE_PROBES").unwrap_or_else(|_| "jump".to_string())
 }

@@ -1,5 +1,6 @@
-//! Displaced execution: the instruction an int3 covers runs from a slot in a
-//! trampoline area of the target, so a breakpoint never has to be lifted.
+//! The int3 probe: a breakpoint on the function's first instruction, and a
+//! slot where that instruction runs displaced, so a breakpoint never has to
+//! be lifted.
 //!
 //! Lifting it to single-step (the classic debugger dance) costs five times a
 //! stop and lets other threads run through the function unseen while the
@@ -10,21 +11,16 @@
 //! The slot also holds a call stub through which memptrace captures a call's
 //! return without touching the target's stack (see [`slot_code`]).
 //!
-//! Slots must lie within ±2 GiB of the code they stand for (rel32 operands),
-//! so areas are placed next to the image they serve, in a gap of the address
-//! space found from /proc/PID/maps. This module is pure: it computes bytes and
-//! addresses; the tracer writes and maps them.
-
-use std::ops::Range;
+//! Slots lie in trampoline areas (`space::areas`), within ±2 GiB of the code
+//! they stand for. This module is pure: it computes bytes and addresses; the
+//! space writes them.
 
 use iced_x86::{
     BlockEncoder, BlockEncoderOptions, Code, Decoder, DecoderOptions, Instruction, InstructionBlock,
 };
 
-use crate::os::procfs::Mapping;
-
-/// Size of one trampoline area (one page: 64 slots).
-pub const AREA_SIZE: u64 = 4096;
+/// The breakpoint instruction.
+pub const INT3: u8 = 0xcc;
 /// Bytes per slot: the call stub, then the displaced instruction.
 pub const SLOT_SIZE: u64 = 64;
 /// Offset of the int3 a call through the stub returns to.
@@ -41,48 +37,6 @@ const STUB: [u8; 17] = [
     0x48, 0x8d, 0x64, 0x24, 0x08, // lea rsp, [rsp+8]
     0xc3, // ret: to the allocator's caller
 ];
-/// The copy routine: a thread sent here at an allocator's entry copies
-/// `r10` words of its stack, from rsp up, to `r11` (its buffer in memory
-/// shared with memptrace), counts the copy done in the word 64 bytes before
-/// `r11`, and jumps to `rax` (the breakpoint's stub or displaced
-/// instruction). rax, r10 and r11 hold nothing at a function's entry (System
-/// V ABI: scratch registers, no arguments in them), so the function sees
-/// nothing changed; the routine writes only below rsp, which is free until
-/// the function runs, and to its buffer.
-pub const COPY_ROUTINE: [u8; 22] = [
-    0x50, // push rax (the continuation)
-    0x4a, 0x8b, 0x04, 0xd4, // 1: mov rax, [rsp + r10*8]
-    0x4b, 0x89, 0x44, 0xd3, 0xf8, // mov [r11 + r10*8 - 8], rax
-    0x49, 0xff, 0xca, // dec r10
-    0x75, 0xf2, // jnz 1
-    0x49, 0xff, 0x43, 0xc0, // 15: inc qword [r11 - 64]
-    0x58, // 19: pop rax
-    0xff, 0xe0, // 20: jmp rax
-];
-/// Bytes before a copy buffer's data: the word the routine counts copies in.
-pub const COPY_HEADER: u64 = 64;
-
-/// Where the continuation of a thread stopped at `rip` in the copy routine at
-/// `routine` is: in rax (before the push, after the pop), on the stack, or
-/// `None` outside the routine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum InCopy {
-    Rax,
-    Stack,
-}
-
-/// See [`InCopy`].
-pub fn in_copy(rip: u64, routine: u64) -> Option<InCopy> {
-    match rip.wrapping_sub(routine) {
-        0 | 20 => Some(InCopy::Rax),
-        1..=19 => Some(InCopy::Stack),
-        _ => None,
-    }
-}
-
-/// How far a rel32 operand reaches, with a margin for the image's own size.
-const REACH: u64 = (1 << 31) - (64 << 20);
-
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RelocateError {
     #[error("cannot decode the instruction at {0:#x}")]
@@ -224,106 +178,10 @@ pub fn displaced(code: &[u8], addr: u64, slot: u64) -> Result<Displaced, Relocat
     })
 }
 
-/// True when an area at `area` can serve code in `image` (rel32 reach both ways).
-pub fn reaches(area: u64, image: &Range<u64>) -> bool {
-    let lo = image.end.saturating_sub(REACH);
-    let hi = image.start.saturating_add(REACH);
-    area >= lo && area + AREA_SIZE <= hi
-}
-
-/// Candidate addresses for a new area serving `image`, best first: the highest
-/// free gaps below the image that are in reach, then (unless `below_only`) the
-/// lowest above it. The main executable passes `below_only`: the brk heap grows
-/// up from its end, and an area there could stop the heap from growing.
-pub fn place_area(
-    maps: &[Mapping],
-    image: &Range<u64>,
-    min_addr: u64,
-    below_only: bool,
-) -> Vec<u64> {
-    let mut gaps = Vec::new();
-    let mut prev_end = min_addr.max(0x10000);
-    for m in maps {
-        if m.start > prev_end {
-            gaps.push(prev_end..m.start);
-        }
-        prev_end = prev_end.max(m.end);
-    }
-    let mut below: Vec<u64> = gaps
-        .iter()
-        .filter(|g| g.end <= image.start && g.end - g.start >= AREA_SIZE)
-        .map(|g| g.end - AREA_SIZE)
-        .filter(|&a| reaches(a, image))
-        .collect();
-    below.sort_unstable_by(|a, b| b.cmp(a));
-    let mut above: Vec<u64> = gaps
-        .iter()
-        .filter(|g| g.start >= image.end && g.end - g.start >= AREA_SIZE)
-        .filter(|_| !below_only)
-        .map(|g| g.start)
-        .filter(|&a| reaches(a, image))
-        .collect();
-    above.sort_unstable();
-    below.extend(above);
-    below
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn copy_routine_is_what_it_says() {
-        use iced_x86::Register::{R10, R11, RAX, RSP};
-        let decoder = Decoder::with_ip(64, &COPY_ROUTINE, 0x1000, DecoderOptions::NONE);
-        let insns: Vec<Instruction> = decoder.into_iter().collect();
-        let codes: Vec<(u64, Code)> = insns.iter().map(|i| (i.ip() - 0x1000, i.code())).collect();
-        assert_eq!(
-            codes,
-            [
-                (0, Code::Push_r64),
-                (1, Code::Mov_r64_rm64),
-                (5, Code::Mov_rm64_r64),
-                (10, Code::Dec_rm64),
-                (13, Code::Jne_rel8_64),
-                (15, Code::Inc_rm64),
-                (19, Code::Pop_r64),
-                (20, Code::Jmp_rm64),
-            ]
-        );
-        let mem = |i: &Instruction| {
-            (
-                i.memory_base(),
-                i.memory_index(),
-                i.memory_index_scale(),
-                i.memory_displacement64() as i64,
-            )
-        };
-        assert_eq!(insns[0].op0_register(), RAX);
-        assert_eq!(
-            (insns[1].op0_register(), mem(&insns[1])),
-            (RAX, (RSP, R10, 8, 0))
-        );
-        assert_eq!(
-            (insns[2].op1_register(), mem(&insns[2])),
-            (RAX, (R11, R10, 8, -8))
-        );
-        assert_eq!(insns[3].op0_register(), R10);
-        assert_eq!(insns[4].near_branch_target(), 0x1001);
-        assert_eq!(
-            mem(&insns[5]),
-            (R11, iced_x86::Register::None, 1, -(COPY_HEADER as i64))
-        );
-        assert_eq!(
-            (insns[6].op0_register(), insns[7].op0_register()),
-            (RAX, RAX)
-        );
-        assert_eq!(in_copy(0x1000, 0x1000), Some(InCopy::Rax));
-        assert_eq!(in_copy(0x1001, 0x1000), Some(InCopy::Stack));
-        assert_eq!(in_copy(0x1013, 0x1000), Some(InCopy::Stack));
-        assert_eq!(in_copy(0x1014, 0x1000), Some(InCopy::Rax));
-        assert_eq!(in_copy(0x1016, 0x1000), None);
-    }
     use iced_x86::Mnemonic;
 
     fn decode_all(bytes: &[u8], ip: u64) -> Vec<Instruction> {
@@ -436,35 +294,5 @@ mod tests {
         let code = [0x80, 0x3d, 0x00, 0x01, 0x00, 0x00, 0x00];
         assert!(displaced(&code, 0x7f00_0000_0000, 0x1000).is_err());
         assert!(displaced(&[0xff, 0xff], 0x1000, 0x2000).is_err());
-    }
-
-    #[test]
-    fn places_areas_in_reach_and_off_the_heap() {
-        let map = |start: u64, end: u64| Mapping {
-            start,
-            end,
-            read: true,
-            write: false,
-            exec: false,
-            offset: 0,
-            inode: 1,
-            path: "/x".into(),
-        };
-        let maps = vec![
-            map(0x400000, 0x500000),                 // static executable
-            map(0x7f00_0000_0000, 0x7f00_0020_0000), // a library
-            map(0x7ffc_0000_0000, 0x7ffc_0002_1000), // stack
-        ];
-        let exe = 0x400000..0x500000;
-        let spots = place_area(&maps, &exe, 0x10000, true);
-        assert_eq!(spots[0], 0x400000 - AREA_SIZE);
-        assert!(
-            spots.iter().all(|&a| a < 0x400000),
-            "nothing above the heap start"
-        );
-        let lib = 0x7f00_0000_0000..0x7f00_0020_0000;
-        let spots = place_area(&maps, &lib, 0x10000, false);
-        assert_eq!(spots[0], 0x7f00_0000_0000 - AREA_SIZE);
-        assert!(spots.iter().all(|&a| reaches(a, &lib)));
     }
 }

@@ -1,0 +1,189 @@
+//! Memory shared with a target, and the one system call that crosses it.
+//!
+//! The target creates a memfd (a `memfd_create` memptrace injects) and maps
+//! it `MAP_SHARED`; memptrace takes a duplicate of that descriptor with
+//! `pidfd_getfd(2)` (the ptrace access check a tracer passes anyway: no
+//! CAP_SYS_ADMIN, unlike /proc/PID/map_files) or, on a kernel without it,
+//! by opening `/proc/PID/fd/N`, and maps it too. From then on the target
+//! writes and memptrace reads, or the other way round, with no system call
+//! on either side; a thread of the target that waits for memptrace sleeps
+//! on a futex in the shared memory, which memptrace wakes.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::ptrace::Tid;
+
+/// A duplicate of file descriptor `fd` of process `pid`.
+pub fn take_fd(pid: Tid, fd: i32) -> io::Result<OwnedFd> {
+    match pidfd_getfd(pid, fd) {
+        Ok(owned) => Ok(owned),
+        Err(_) => {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(format!("/proc/{pid}/fd/{fd}"))?;
+            Ok(OwnedFd::from(file))
+        }
+    }
+}
+
+fn pidfd_getfd(pid: Tid, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain system calls with integer arguments; each returned
+    // descriptor is owned here from the moment it exists.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
+        if pidfd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let pidfd = OwnedFd::from_raw_fd(pidfd as i32);
+        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0);
+        if got < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(OwnedFd::from_raw_fd(got as i32))
+    }
+}
+
+/// `len` bytes of a shared memory file, mapped read-write here.
+pub struct SharedMemory {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; every access
+// goes through the bounds-checked methods below, with atomic loads and
+// stores where the target writes concurrently.
+unsafe impl Send for SharedMemory {}
+unsafe impl Sync for SharedMemory {}
+
+impl SharedMemory {
+    pub fn map(fd: &OwnedFd, len: usize) -> io::Result<SharedMemory> {
+        // SAFETY: a new shared mapping of an open file, placed by the
+        // kernel; unmapped in Drop, never handed out as a slice.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(SharedMemory {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn word(&self, offset: u64) -> &AtomicU64 {
+        let offset = offset as usize;
+        assert!(offset % 8 == 0 && offset + 8 <= self.len, "{offset:#x}");
+        // SAFETY: in bounds and aligned (checked); AtomicU64 has the layout
+        // of u64, and the other side writes the word with one store.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+    }
+
+    /// The word at `offset`, with everything the writer stored before it.
+    pub fn load(&self, offset: u64) -> u64 {
+        self.word(offset).load(Ordering::Acquire)
+    }
+
+    /// Store a word at `offset`, after everything stored before it.
+    pub fn store(&self, offset: u64, value: u64) {
+        self.word(offset).store(value, Ordering::Release)
+    }
+
+    /// Add to the word at `offset` (as the target's `lock xadd` does);
+    /// returns the value before.
+    pub fn fetch_add(&self, offset: u64, value: u64) -> u64 {
+        self.word(offset).fetch_add(value, Ordering::AcqRel)
+    }
+
+    /// Copy `bytes` in at `offset` (memory the target is not using yet).
+    pub fn write(&self, offset: u64, bytes: &[u8]) {
+        let offset = offset as usize;
+        assert!(offset + bytes.len() <= self.len);
+        // SAFETY: in bounds (checked); plain bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(offset), bytes.len()) }
+    }
+
+    /// Copy out `buf.len()` bytes at `offset` (memory the target finished
+    /// writing: a committed record).
+    pub fn read(&self, offset: u64, buf: &mut [u8]) {
+        let offset = offset as usize;
+        assert!(offset + buf.len() <= self.len);
+        // SAFETY: in bounds (checked); plain bytes no one writes now.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), buf.as_mut_ptr(), buf.len()) }
+    }
+
+    /// Wake the target's threads waiting on the 32-bit futex word at
+    /// `offset` (`futex(2)`, FUTEX_WAKE, not private: the word is shared).
+    pub fn wake(&self, offset: u64) {
+        let word = self.word(offset);
+        // SAFETY: FUTEX_WAKE on an address of our mapping; no memory is
+        // read or written by the call beyond the futex word's key.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word as *const AtomicU64,
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                0,
+                0,
+                0,
+            );
+        }
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping of `len` bytes, no longer used.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_a_memfd_of_our_own_twice() {
+        // SAFETY: memfd_create with a valid name; the descriptor is owned.
+        let fd = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: just created, owned here.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate of our own descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 8192) }, 0);
+        let again = take_fd(std::process::id() as Tid, fd.as_raw_fd()).unwrap();
+        let a = SharedMemory::map(&fd, 8192).unwrap();
+        let b = SharedMemory::map(&again, 8192).unwrap();
+        a.store(4096, 42);
+        assert_eq!(b.load(4096), 42);
+        assert_eq!(b.fetch_add(4096, 1), 42);
+        assert_eq!(a.load(4096), 43);
+        b.write(16, b"memptrace");
+        let mut buf = [0u8; 9];
+        a.read(16, &mut buf);
+        assert_eq!(&buf, b"memptrace");
+        a.wake(4096);
+    }
+}

@@ -1,0 +1,116 @@
+//! What the tracer has to say, batched for the pipeline thread: one channel
+//! send per batch, not per call.
+//!
+//! A `free` whose thread copies its own stack is recorded at its entry,
+//! before its copy is made (see `copies`): it waits in the batch, and the
+//! batch goes to the pipeline only up to the first call still waiting, so
+//! the pipeline sees every message in order.
+
+use std::collections::BTreeMap;
+
+use crate::os::ptrace::Tid;
+use crate::sink::SinkError;
+use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
+
+/// Messages per batch sent to the pipeline.
+const BATCH: usize = 1024;
+
+/// Bytes of stack copies per batch, at most (about 32 calls with deep
+/// stacks): the pipeline's queue holds 32 batches, so what waits for
+/// unwinding stays near 32 MiB however deep the program's stacks are.
+const BATCH_BYTES: usize = 1 << 20;
+
+pub struct Outbox {
+    pipeline: PipelineHandle,
+    batch: Vec<TraceMsg>,
+    /// Bytes of stack copies in `batch`.
+    bytes: usize,
+    /// Messages sent so far: `batch[i]` is message number `sent + i`.
+    sent: u64,
+    /// Calls in `batch` (by message number) waiting for the copy their
+    /// thread makes.
+    awaiting: BTreeMap<u64, Tid>,
+}
+
+impl Outbox {
+    pub fn new(pipeline: PipelineHandle) -> Outbox {
+        Outbox {
+            pipeline,
+            batch: Vec::with_capacity(BATCH),
+            bytes: 0,
+            sent: 0,
+            awaiting: BTreeMap::new(),
+        }
+    }
+
+    pub fn into_pipeline(self) -> PipelineHandle {
+        self.pipeline
+    }
+
+    pub fn push(&mut self, msg: TraceMsg) {
+        if let TraceMsg::Call(call) = &msg {
+            if let CallStack::Sample(sample) = &call.stack {
+                self.bytes += sample.bytes.len();
+            }
+        }
+        self.batch.push(msg);
+    }
+
+    /// Push a call that waits for its thread's stack copy; returns its
+    /// message number.
+    pub fn push_awaiting(&mut self, msg: TraceMsg, tid: Tid) -> u64 {
+        let number = self.sent + self.batch.len() as u64;
+        self.push(msg);
+        self.awaiting.insert(number, tid);
+        number
+    }
+
+    /// `n` bytes of stack copy were added to a call in the batch.
+    pub fn add_bytes(&mut self, n: usize) {
+        self.bytes += n;
+    }
+
+    /// The batch is worth sending.
+    pub fn full(&self) -> bool {
+        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES
+    }
+
+    pub fn awaiting_copies(&self) -> bool {
+        !self.awaiting.is_empty()
+    }
+
+    /// The calls waiting for copies: (message number, thread).
+    pub fn awaiting(&self) -> Vec<(u64, Tid)> {
+        self.awaiting.iter().map(|(&n, &t)| (n, t)).collect()
+    }
+
+    /// Message `number`, no longer waiting.
+    pub fn take_awaiting(&mut self, number: u64) -> Option<&mut TraceMsg> {
+        self.awaiting.remove(&number);
+        let at = usize::try_from(number.checked_sub(self.sent)?).ok()?;
+        self.batch.get_mut(at)
+    }
+
+    /// Extend a batch with messages that belong in order where they are.
+    pub fn extend(&mut self, msgs: impl IntoIterator<Item = TraceMsg>) {
+        for msg in msgs {
+            self.push(msg);
+        }
+    }
+
+    /// Send the batch up to the first call still waiting for its copy.
+    pub fn send_ready(&mut self) -> Result<(), SinkError> {
+        let n = match self.awaiting.keys().next() {
+            Some(&first) => (first - self.sent) as usize,
+            None => self.batch.len(),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let rest = self.batch.split_off(n);
+        let batch = std::mem::replace(&mut self.batch, rest);
+        self.sent += n as u64;
+        self.bytes = 0;
+        self.pipeline.send(batch)
+    }
+}

@@ -1,0 +1,530 @@
+//! The machine code of a jump probe, written with iced-x86's code assembler.
+//!
+//! A hooked function's entry jumps (or, where a jump cannot be planted, an
+//! int3 sends the thread) to its probe, which:
+//!
+//! 1. finds its thread's slot in the control area by hashing the thread
+//!    pointer (`rdfsbase`, or `fs:[0]` where the kernel does not allow it);
+//!    a thread without a slot traps (`int3`) for memptrace to give it one;
+//! 2. records nothing for a call made inside the thread's outermost call in
+//!    progress (realloc entering malloc), for a signal handler's call made
+//!    while a probe of the thread was running, and for a vfork child;
+//! 3. waits (futex) while its ring has no room for a record: nothing is
+//!    ever dropped;
+//! 4. walks the caller's stack with the unwind tables memptrace wrote into
+//!    the control area (CFA = rsp or rbp + offset; return address at
+//!    CFA - 8; rbp saved at a fixed distance below the CFA or unchanged),
+//!    reading nothing outside the thread's stack, into the ring past its head;
+//! 5. for `free`: finishes the record (sequence number, TSC, arguments) and
+//!    commits it by moving the head, then runs the displaced instructions;
+//!    for a call that returns a block: calls the displaced instructions, so
+//!    that the function returns into the probe, which then finishes and
+//!    commits the record with the result and returns to the caller.
+//!
+//! The call is made through `lea rsp, [rsp-8]; call`: the caller's return
+//! address stays where it is, unchanged, inside the function the stack is
+//! 16 bytes deeper and still aligned, and calls and returns stay paired. The
+//! word the `lea` skips holds the slot's address for the return path.
+//!
+//! Registers (System V ABI): at a function's entry rdi, rsi and rdx carry
+//! the arguments (none of these functions takes more than three, nor any
+//! on the stack), and rax, rcx, r8-r11 carry nothing the function may use;
+//! at its return, rax carries the result and every register but rax, rdx
+//! and the callee-saved ones is dead. The probe keeps to that: it saves the
+//! callee-saved registers it uses and puts the arguments back before the
+//! function runs, and it keeps rax and rdx on the way back.
+
+use iced_x86::code_asm::*;
+use iced_x86::{BlockEncoderOptions, Instruction};
+
+use super::layout::{self, dir, record, rule, slot};
+use crate::event::Op;
+
+/// What a probe is made for.
+#[derive(Clone, Debug)]
+pub struct ProbeSpec {
+    /// The probe's number in its space, written into each record.
+    pub id: u16,
+    pub op: Op,
+    /// The control area's address in the target.
+    pub control: u64,
+    /// The instructions the probe's entry displaces (decoded at their
+    /// addresses), and where the function goes on after them.
+    pub displaced: Vec<Instruction>,
+    pub resume: u64,
+    /// Return addresses to take at most (`--max-depth`).
+    pub max_frames: u64,
+    /// The kernel lets user code read the fs base (`rdfsbase`).
+    pub fsgsbase: bool,
+}
+
+/// A probe's code and the addresses memptrace needs to know in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeCode {
+    pub bytes: Vec<u8>,
+    /// The probe's first instruction (where the entry's jump goes).
+    pub entry: u64,
+    /// The int3 of a thread without a slot.
+    pub miss: u64,
+    /// Where the function returns to (a call that returns a block).
+    pub ret_path: Option<u64>,
+    /// The stack walk: a fault of an instruction in `walk` (a stack mapping
+    /// smaller than memptrace knew) goes on at `truncated`.
+    pub walk: std::ops::Range<u64>,
+    pub truncated: u64,
+    /// The displaced instructions (relocated), then the jump back.
+    pub displaced: u64,
+    /// `(address here, address in the function)` of each displaced
+    /// instruction, and of the jump back (which stands for `resume`): where
+    /// a thread standing here belongs once the probe is gone.
+    pub displaced_map: Vec<(u64, u64)>,
+    pub end: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot assemble the probe: {0}")]
+pub struct AsmError(#[from] IcedError);
+
+/// The probe for `spec`, to live at `at`.
+pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
+    let mut a = CodeAssembler::new(64)?;
+    let mut l = Labels::new(&mut a);
+    let returns = spec.op.allocates();
+
+    // 1. The thread's slot: r10; the key in rax.
+    a.set_label(&mut l.entry)?;
+    if spec.fsgsbase {
+        a.rdfsbase(rax)?;
+    } else {
+        a.mov(rax, qword_ptr(0u64).fs())?;
+    }
+    a.inc(rax)?;
+    a.mov(r11, layout::HASH)?;
+    a.imul_2(r11, rax)?;
+    a.shr(r11, 64 - layout::SLOT_BITS)?;
+    a.shl(r11, layout::SLOT_SIZE.trailing_zeros())?;
+    a.mov(r10, spec.control + layout::HEADER_SIZE)?;
+    a.add(r10, r11)?;
+    for i in 0..layout::PROBES {
+        a.cmp(qword_ptr(r10 + slot::KEY as i32), rax)?;
+        a.je(l.found)?;
+        if i + 1 < layout::PROBES {
+            a.add(r10, layout::SLOT_SIZE as i32)?;
+        }
+    }
+    a.set_label(&mut l.miss)?;
+    a.int3()?;
+    a.jmp(l.entry)?;
+
+    // 2. Busy, paused, nested.
+    a.set_label(&mut l.found)?;
+    a.mov(rcx, qword_ptr(r10 + slot::BUSY as i32))?;
+    a.test(rcx, rcx)?;
+    a.jz(l.claim)?;
+    a.cmp(rsp, rcx)?;
+    a.jb(l.skip_nested)?;
+    a.set_label(&mut l.claim)?;
+    a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
+    a.test(byte_ptr(r10 + slot::FLAGS as i32), 1)?;
+    a.jnz(l.release)?;
+    a.mov(rcx, qword_ptr(r10 + slot::PENDING_SP as i32))?;
+    a.test(rcx, rcx)?;
+    a.jz(l.outermost)?;
+    a.cmp(rsp, rcx)?;
+    a.jb(l.release_nested)?;
+    a.inc(qword_ptr(r10 + slot::ABANDONED as i32))?;
+    a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), 0)?;
+    a.set_label(&mut l.outermost)?;
+
+    // 3. Room in the ring, or wait.
+    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
+    a.mov(r9, r8)?;
+    a.sub(r9, qword_ptr(r10 + slot::TAIL as i32))?;
+    a.cmp(r9, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
+    a.ja(l.wait_room)?;
+    a.mov(qword_ptr(r10 + slot::ARG0 as i32), rdi)?;
+    a.mov(qword_ptr(r10 + slot::ARG1 as i32), rsi)?;
+    a.mov(qword_ptr(r10 + slot::ARG2 as i32), rdx)?;
+    a.mov(r11, r8)?;
+    a.and(r11, (layout::RING_SIZE - 1) as i32)?;
+    a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
+
+    // 4. The stack walk. r12 ip, r13 sp (the frame's CFA so far), r14 bp,
+    // r15 where the next frame goes, rbx frames left, r9 the stack's end,
+    // ebp the record's flags.
+    const SAVED: i32 = 6 * 8;
+    for reg in [rbx, rbp, r12, r13, r14, r15] {
+        a.push(reg)?;
+    }
+    a.mov(r12, qword_ptr(rsp + SAVED))?;
+    a.lea(r13, qword_ptr(rsp + SAVED + 8))?;
+    a.mov(r14, rbp)?; // the caller's: the function has not run yet
+    a.lea(r15, qword_ptr(r11 + record::FRAMES as i32))?;
+    a.mov(ebx, spec.max_frames.clamp(1, layout::MAX_FRAMES) as u32)?;
+    a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
+    a.xor(ebp, ebp)?;
+    a.lea(rcx, qword_ptr(rsp + SAVED))?;
+    a.cmp(rcx, qword_ptr(r10 + slot::STACK_LO as i32))?;
+    a.jb(l.only_caller)?;
+    a.cmp(rcx, r9)?;
+    a.jae(l.only_caller)?;
+
+    a.set_label(&mut l.frame)?;
+    a.mov(qword_ptr(r15), r12)?;
+    a.add(r15, 8)?;
+    a.dec(rbx)?;
+    a.jz(l.full)?;
+    // The image: the last directory entry starting at or below ip.
+    a.mov(rdi, spec.control + layout::DIRECTORY)?;
+    a.mov(rdi, qword_ptr(rdi))?;
+    a.mov(ecx, dword_ptr(rdi))?;
+    a.add(rdi, 16)?;
+    a.xor(esi, esi)?;
+    a.set_label(&mut l.dir_loop)?;
+    a.test(rcx, rcx)?;
+    a.jz(l.dir_end)?;
+    a.mov(rdx, rcx)?;
+    a.shr(rdx, 1)?;
+    a.imul_3(rax, rdx, layout::DIR_ENTRY_SIZE as i32)?;
+    a.add(rax, rdi)?;
+    a.cmp(qword_ptr(rax + dir::START as i32), r12)?;
+    a.ja(l.dir_left)?;
+    a.mov(rsi, rax)?;
+    a.lea(rdi, qword_ptr(rax + layout::DIR_ENTRY_SIZE as i32))?;
+    a.sub(rcx, rdx)?;
+    a.dec(rcx)?;
+    a.jmp(l.dir_loop)?;
+    a.set_label(&mut l.dir_left)?;
+    a.mov(rcx, rdx)?;
+    a.jmp(l.dir_loop)?;
+    a.set_label(&mut l.dir_end)?;
+    a.test(rsi, rsi)?;
+    a.jz(l.truncated)?;
+    a.cmp(r12, qword_ptr(rsi + dir::END as i32))?;
+    a.jae(l.truncated)?;
+    // The row: the last key at or below the call's SVMA (ip - 1 - bias).
+    a.lea(rax, qword_ptr(r12 - 1))?;
+    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
+    a.mov(rdx, rax)?;
+    a.shr(rdx, 32)?;
+    a.jnz(l.truncated)?;
+    a.mov(r9, rax)?;
+    a.mov(rdi, qword_ptr(rsi + dir::KEYS as i32))?;
+    a.mov(rcx, qword_ptr(rsi + dir::ROWS as i32))?;
+    a.mov(r8, qword_ptr(rsi + dir::RULES as i32))?;
+    a.sub(r8, rdi)?; // rules are u32 as keys are: rule = key address + r8
+    a.xor(esi, esi)?;
+    a.set_label(&mut l.key_loop)?;
+    a.test(rcx, rcx)?;
+    a.jz(l.key_end)?;
+    a.mov(rdx, rcx)?;
+    a.shr(rdx, 1)?;
+    a.lea(rax, qword_ptr(rdi + rdx * 4))?;
+    a.cmp(dword_ptr(rax), r9d)?;
+    a.ja(l.key_left)?;
+    a.mov(rsi, rax)?;
+    a.lea(rdi, qword_ptr(rax + 4))?;
+    a.sub(rcx, rdx)?;
+    a.dec(rcx)?;
+    a.jmp(l.key_loop)?;
+    a.set_label(&mut l.key_left)?;
+    a.mov(rcx, rdx)?;
+    a.jmp(l.key_loop)?;
+    a.set_label(&mut l.key_end)?;
+    a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
+    a.test(rsi, rsi)?;
+    a.jz(l.truncated)?;
+    a.mov(eax, dword_ptr(rsi + r8))?;
+    a.cmp(eax, rule::END as i32)?;
+    a.je(l.walked)?; // the outermost frame: the stack is whole
+    a.test(eax, eax)?;
+    a.js(l.truncated)?; // rule::NONE
+    // CFA = base + offset, above the frame and inside the stack.
+    a.mov(ecx, eax)?;
+    a.and(ecx, rule::OFFSET_MASK)?;
+    a.mov(rdx, r13)?;
+    a.test(eax, rule::RBP_BASED)?;
+    a.cmovne(rdx, r14)?;
+    a.add(rdx, rcx)?;
+    a.lea(rcx, qword_ptr(r13 + 8))?;
+    a.cmp(rdx, rcx)?;
+    a.jb(l.truncated)?;
+    a.cmp(rdx, r9)?;
+    a.ja(l.truncated)?;
+    a.shr(eax, rule::RBP_SHIFT)?;
+    a.and(eax, rule::RBP_MASK)?;
+    a.jz(l.keep_bp)?;
+    a.shl(rax, 3)?;
+    a.mov(rcx, rdx)?;
+    a.sub(rcx, rax)?;
+    a.cmp(rcx, r13)?;
+    a.jb(l.truncated)?;
+    a.mov(r14, qword_ptr(rcx))?;
+    a.set_label(&mut l.keep_bp)?;
+    a.mov(r12, qword_ptr(rdx - 8))?;
+    a.mov(r13, rdx)?;
+    a.test(r12, r12)?;
+    a.jnz(l.frame)?;
+    a.jmp(l.walked)?;
+    a.set_label(&mut l.only_caller)?;
+    a.mov(qword_ptr(r15), r12)?;
+    a.add(r15, 8)?;
+    a.set_label(&mut l.truncated)?;
+    a.or(ebp, record::TRUNCATED as i32)?;
+    a.jmp(l.walked)?;
+    a.set_label(&mut l.full)?;
+    a.or(ebp, record::FULL as i32)?;
+    a.set_label(&mut l.walked)?;
+    // rax: frames, rcx: flags.
+    a.mov(rax, r15)?;
+    a.sub(rax, r11)?;
+    a.sub(rax, record::FRAMES as i32)?;
+    a.shr(rax, 3)?;
+    a.mov(ecx, ebp)?;
+    for reg in [r15, r14, r13, r12, rbp, rbx] {
+        a.pop(reg)?;
+    }
+    a.shl(ecx, 16)?;
+    a.or(rax, rcx)?;
+    a.mov(qword_ptr(r10 + slot::PENDING_FRAMES as i32), rax)?;
+
+    // 5. Record now (free), or call the function and record its result.
+    if returns {
+        a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), rsp)?;
+        a.mov(rdi, qword_ptr(r10 + slot::ARG0 as i32))?;
+        a.mov(rsi, qword_ptr(r10 + slot::ARG1 as i32))?;
+        a.mov(rdx, qword_ptr(r10 + slot::ARG2 as i32))?;
+        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+        a.lea(rsp, qword_ptr(rsp - 8))?;
+        a.mov(qword_ptr(rsp), r10)?;
+        a.call(l.displaced)?;
+        a.set_label(&mut l.ret_path)?;
+        a.mov(r10, qword_ptr(rsp))?;
+        a.mov(rcx, qword_ptr(r10 + slot::BUSY as i32))?;
+        a.test(rcx, rcx)?;
+        a.jz(l.ret_claim)?;
+        a.cmp(rsp, rcx)?;
+        a.jb(l.ret_out)?;
+        a.set_label(&mut l.ret_claim)?;
+        a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
+        a.lea(rcx, qword_ptr(rsp + 8))?;
+        a.cmp(rcx, qword_ptr(r10 + slot::PENDING_SP as i32))?;
+        a.jne(l.ret_release)?;
+        a.mov(r9, rax)?;
+        a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
+        a.and(r11, (layout::RING_SIZE - 1) as i32)?;
+        a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
+        a.mov(qword_ptr(r11 + record::RET as i32), rax)?;
+        if spec.op == Op::PosixMemalign {
+            // The block, stored through the first argument when it succeeded.
+            a.mov(qword_ptr(r11 + record::STORED as i32), 0)?;
+            a.test(eax, eax)?;
+            a.jnz(l.stored)?;
+            a.mov(rcx, qword_ptr(r10 + slot::ARG0 as i32))?;
+            a.mov(rcx, qword_ptr(rcx))?;
+            a.mov(qword_ptr(r11 + record::STORED as i32), rcx)?;
+            a.set_label(&mut l.stored)?;
+        }
+        a.mov(rsi, rdx)?;
+        finish_record(&mut a, spec)?;
+        a.mov(rdx, rsi)?;
+        a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), 0)?;
+        a.mov(rax, r9)?;
+        a.set_label(&mut l.ret_release)?;
+        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+        a.set_label(&mut l.ret_out)?;
+        a.lea(rsp, qword_ptr(rsp + 8))?;
+        a.ret()?;
+    } else {
+        a.mov(qword_ptr(r11 + record::RET as i32), 0)?;
+        a.mov(qword_ptr(r11 + record::STORED as i32), 0)?;
+        finish_record(&mut a, spec)?;
+        a.mov(rdi, qword_ptr(r10 + slot::ARG0 as i32))?;
+        a.mov(rsi, qword_ptr(r10 + slot::ARG1 as i32))?;
+        a.mov(rdx, qword_ptr(r10 + slot::ARG2 as i32))?;
+        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+        a.jmp(l.displaced)?;
+    }
+
+    // Not recorded: nested in the thread's call, in a signal handler
+    // inside a probe of the thread, or a vfork child's.
+    a.set_label(&mut l.release_nested)?;
+    a.inc(qword_ptr(r10 + slot::NESTED as i32))?;
+    a.set_label(&mut l.release)?;
+    a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+    a.jmp(l.displaced)?;
+    a.set_label(&mut l.skip_nested)?;
+    a.inc(qword_ptr(r10 + slot::NESTED as i32))?;
+    a.jmp(l.displaced)?;
+
+    // No room: wait on the ring's tail for memptrace (1 ms at most), then
+    // start over.
+    a.set_label(&mut l.wait_room)?;
+    a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+    a.mov(qword_ptr(r10 + slot::WAITING as i32), 1)?;
+    a.push(rdi)?;
+    a.push(rsi)?;
+    a.push(rdx)?;
+    a.mov(eax, libc::SYS_futex as u32)?;
+    a.lea(rdi, qword_ptr(r10 + slot::TAIL as i32))?;
+    a.xor(esi, esi)?; // FUTEX_WAIT, shared: memptrace wakes it from its mapping
+    a.mov(edx, dword_ptr(r10 + slot::TAIL as i32))?;
+    a.mov(r10, spec.control + layout::WAIT_TIMESPEC)?;
+    a.xor(r8d, r8d)?;
+    a.xor(r9d, r9d)?;
+    a.syscall()?;
+    a.pop(rdx)?;
+    a.pop(rsi)?;
+    a.pop(rdi)?;
+    a.jmp(l.entry)?;
+
+    // The displaced instructions, relocated, and the way back.
+    a.set_label(&mut l.displaced)?;
+    let mut marks = Vec::new();
+    for (i, insn) in spec.displaced.iter().enumerate() {
+        let mut mark = a.create_label();
+        if i > 0 {
+            a.set_label(&mut mark)?;
+        }
+        a.add_instruction(*insn)?;
+        marks.push(mark);
+    }
+    a.set_label(&mut l.back)?;
+    a.jmp(spec.resume)?;
+    a.set_label(&mut l.end)?;
+    a.int3()?;
+
+    let result = a.assemble_options(at, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let ip = |label: &CodeLabel| result.label_ip(label);
+    let displaced = ip(&l.displaced)?;
+    let mut displaced_map = Vec::new();
+    for (i, (mark, insn)) in marks.iter().zip(&spec.displaced).enumerate() {
+        let here = if i == 0 { displaced } else { ip(mark)? };
+        displaced_map.push((here, insn.ip()));
+    }
+    displaced_map.push((ip(&l.back)?, spec.resume));
+    let bytes = result.inner.code_buffer.clone();
+    Ok(ProbeCode {
+        entry: ip(&l.entry)?,
+        miss: ip(&l.miss)?,
+        ret_path: if returns {
+            Some(ip(&l.ret_path)?)
+        } else {
+            None
+        },
+        walk: ip(&l.frame)?..ip(&l.walked)?,
+        truncated: ip(&l.truncated)?,
+        displaced,
+        displaced_map,
+        end: ip(&l.end)?,
+        bytes,
+    })
+}
+
+/// The tail of a record: TSC, arguments, header, sequence number; then the
+/// commit (the head moves past it). r10 slot, r11 record. Keeps r9 and rsi;
+/// clobbers rax, rcx, rdx, rdi, r8.
+fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedError> {
+    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
+    a.rdtsc()?;
+    a.shl(rdx, 32)?;
+    a.or(rax, rdx)?;
+    a.mov(qword_ptr(r11 + record::TSC as i32), rax)?;
+    for (from, to) in [
+        (slot::ARG0, record::ARG0),
+        (slot::ARG1, record::ARG1),
+        (slot::ARG2, record::ARG2),
+    ] {
+        a.mov(rcx, qword_ptr(r10 + from as i32))?;
+        a.mov(qword_ptr(r11 + to as i32), rcx)?;
+    }
+    // Header: size | frames << 16 | flags << 32 | op << 40 | probe << 48.
+    a.mov(rcx, qword_ptr(r10 + slot::PENDING_FRAMES as i32))?;
+    a.movzx(edi, cx)?;
+    a.lea(rdx, qword_ptr(rdi * 8 + record::FRAMES as i32))?;
+    a.add(r8, rdx)?; // the head past this record
+    a.shl(rdi, 16)?;
+    a.or(rdi, rdx)?;
+    a.shr(ecx, 16)?;
+    a.and(ecx, 0xff)?;
+    a.shl(rcx, 32)?;
+    a.or(rdi, rcx)?;
+    a.mov(rax, ((spec.op as u64) << 40) | (u64::from(spec.id) << 48))?;
+    a.or(rdi, rax)?;
+    a.mov(qword_ptr(r11 + record::HEAD as i32), rdi)?;
+    a.mov(rax, spec.control + layout::SEQ)?;
+    a.mov(ecx, 1)?;
+    a.lock().xadd(qword_ptr(rax), rcx)?;
+    a.mov(qword_ptr(r11 + record::SEQ as i32), rcx)?;
+    a.mov(qword_ptr(r10 + slot::HEAD as i32), r8)?;
+    Ok(())
+}
+
+/// The labels of a probe.
+struct Labels {
+    entry: CodeLabel,
+    miss: CodeLabel,
+    found: CodeLabel,
+    claim: CodeLabel,
+    outermost: CodeLabel,
+    only_caller: CodeLabel,
+    frame: CodeLabel,
+    dir_loop: CodeLabel,
+    dir_left: CodeLabel,
+    dir_end: CodeLabel,
+    key_loop: CodeLabel,
+    key_left: CodeLabel,
+    key_end: CodeLabel,
+    keep_bp: CodeLabel,
+    truncated: CodeLabel,
+    full: CodeLabel,
+    walked: CodeLabel,
+    ret_path: CodeLabel,
+    ret_claim: CodeLabel,
+    ret_release: CodeLabel,
+    ret_out: CodeLabel,
+    stored: CodeLabel,
+    release_nested: CodeLabel,
+    release: CodeLabel,
+    skip_nested: CodeLabel,
+    wait_room: CodeLabel,
+    displaced: CodeLabel,
+    back: CodeLabel,
+    end: CodeLabel,
+}
+
+impl Labels {
+    fn new(a: &mut CodeAssembler) -> Labels {
+        Labels {
+            entry: a.create_label(),
+            miss: a.create_label(),
+            found: a.create_label(),
+            claim: a.create_label(),
+            outermost: a.create_label(),
+            only_caller: a.create_label(),
+            frame: a.create_label(),
+            dir_loop: a.create_label(),
+            dir_left: a.create_label(),
+            dir_end: a.create_label(),
+            key_loop: a.create_label(),
+            key_left: a.create_label(),
+            key_end: a.create_label(),
+            keep_bp: a.create_label(),
+            truncated: a.create_label(),
+            full: a.create_label(),
+            walked: a.create_label(),
+            ret_path: a.create_label(),
+            ret_claim: a.create_label(),
+            ret_release: a.create_label(),
+            ret_out: a.create_label(),
+            stored: a.create_label(),
+            release_nested: a.create_label(),
+            release: a.create_label(),
+            skip_nested: a.create_label(),
+            wait_room: a.create_label(),
+            displaced: a.create_label(),
+            back: a.create_label(),
+            end: a.create_label(),
+        }
+    }
+}

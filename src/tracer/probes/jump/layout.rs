@@ -1,0 +1,188 @@
+//! The control area: memory shared between the target and memptrace, where
+//! jump probes find their thread's slot and ring, the unwind tables, and
+//! write what they record. Its layout is the contract between the code the
+//! probes run (written by [`super::code`]) and memptrace, which reads the
+//! rings (`tracer::rings`) and writes everything else.
+//!
+//! ```text
+//! 0          header: the sequence counter, the unwind directory in use
+//! SLOTS      one 256-byte slot per thread, found by hashing the thread pointer
+//! DIRS       unwind directories (a sorted array of images), rotated on change
+//! TABLES     unwind tables, appended as images appear
+//! RINGS      one ring per slot, each followed by room for a record that
+//!            runs past its end (a record is never split)
+//! ```
+//!
+//! Who writes what: memptrace writes a slot's fixed part (key last, so a
+//! probe never sees a half-made slot), the directories and tables, and each
+//! ring's tail; the thread owning a slot writes its working part, its ring
+//! and its head (a record's bytes first, then the head: x86 stores are seen
+//! in order). All offsets and sizes are in bytes.
+
+/// Slots for threads at once; a thread whose hash finds no slot within
+/// [`PROBES`] of its place waits in memptrace's stop until one frees.
+pub const SLOT_BITS: u32 = 10;
+pub const SLOTS: u64 = 1 << SLOT_BITS;
+/// Places a probe looks at, from the hashed one on.
+pub const PROBES: u64 = 4;
+pub const SLOT_SIZE: u64 = 256;
+
+/// Header fields.
+pub const MAGIC: u64 = 0;
+/// The next sequence number (`lock xadd`): a total order of every record
+/// of the address space.
+pub const SEQ: u64 = 64;
+/// Address of the unwind directory in use.
+pub const DIRECTORY: u64 = 128;
+/// A `struct timespec` of 1 ms: how long a thread waits on a full ring
+/// before it looks again.
+pub const WAIT_TIMESPEC: u64 = 192;
+pub const HEADER_SIZE: u64 = 4096;
+
+pub const MAGIC_VALUE: u64 = u64::from_le_bytes(*b"memptrc1");
+
+/// Slot fields, written by memptrace.
+pub mod slot {
+    /// The thread pointer (fs base) + 1 of the thread owning the slot; 0: free.
+    pub const KEY: u64 = 0;
+    /// Bit 0: the thread's calls are not recorded (a vfork child runs on
+    /// its stack and thread pointer until it execs).
+    pub const FLAGS: u64 = 8;
+    /// The thread's stack mapping: unwinding reads nothing outside it.
+    pub const STACK_LO: u64 = 16;
+    pub const STACK_HI: u64 = 24;
+    /// Address of the slot's ring.
+    pub const RING: u64 = 32;
+    // Written by the thread.
+    /// The stack pointer of the probe running on the thread (0: none): a
+    /// probe entered below it is a signal handler's, which records nothing;
+    /// one entered above it means the holder was left by a longjmp.
+    pub const BUSY: u64 = 64;
+    /// The stack pointer at the entry of the thread's outermost call in
+    /// progress (0: none).
+    pub const PENDING_SP: u64 = 72;
+    /// Its arguments.
+    pub const ARG0: u64 = 80;
+    pub const ARG1: u64 = 88;
+    pub const ARG2: u64 = 96;
+    /// Frames it recorded at its entry, waiting in the ring past the head.
+    pub const PENDING_FRAMES: u64 = 104;
+    /// Calls of the thread seen but not recorded: nested in a pending call
+    /// or in a probe interrupted by a signal handler.
+    pub const NESTED: u64 = 112;
+    /// Outermost calls whose frame was left by a longjmp.
+    pub const ABANDONED: u64 = 120;
+    /// Bytes of records committed, ever (the ring position is this modulo
+    /// the ring size).
+    pub const HEAD: u64 = 128;
+    /// Set by a thread waiting for room in its ring (memptrace wakes it).
+    pub const WAITING: u64 = 136;
+    /// Bytes of records memptrace has taken, ever (written by memptrace).
+    pub const TAIL: u64 = 192;
+}
+
+/// Directories: `DIR_COUNT` of them, used in turn, each a count then sorted
+/// entries.
+pub const DIRS: u64 = (HEADER_SIZE + (SLOTS + PROBES) * SLOT_SIZE).next_multiple_of(4096);
+pub const DIR_COUNT: u64 = 8;
+pub const DIR_SIZE: u64 = 64 << 10;
+pub const DIR_ENTRY_SIZE: u64 = 48;
+pub const DIR_ENTRIES: u64 = (DIR_SIZE - 16) / DIR_ENTRY_SIZE;
+
+/// Directory entry fields: the image's range, its load bias, its table.
+pub mod dir {
+    pub const START: u64 = 0;
+    pub const END: u64 = 8;
+    pub const BIAS: u64 = 16;
+    /// Address of the row keys (u32 SVMA of each row's start, sorted).
+    pub const KEYS: u64 = 24;
+    /// Address of the rules (u32 each, see [`super::rule`]).
+    pub const RULES: u64 = 32;
+    pub const ROWS: u64 = 40;
+}
+
+/// The rules of the unwind tables (see [`crate::unwind::tables`]).
+pub use crate::unwind::tables::rule;
+
+pub const TABLES: u64 = DIRS + DIR_COUNT * DIR_SIZE;
+pub const TABLES_SIZE: u64 = 64 << 20;
+
+/// Rings: one per slot.
+pub const RINGS: u64 = TABLES + TABLES_SIZE;
+pub const RING_SIZE: u64 = 128 << 10;
+/// The largest record: a header and [`MAX_FRAMES`] return addresses.
+pub const MAX_FRAMES: u64 = 128;
+pub const RECORD_HEADER: u64 = 64;
+pub const MAX_RECORD: u64 = RECORD_HEADER + MAX_FRAMES * 8;
+/// Ring and the room past its end for a record that starts near it (a
+/// page, to keep rings page-aligned).
+pub const RING_STRIDE: u64 = RING_SIZE + MAX_RECORD.next_multiple_of(4096);
+
+/// The whole area.
+pub const AREA_SIZE: u64 = RINGS + (SLOTS + PROBES) * RING_STRIDE;
+
+/// Record fields (8-byte aligned, [`RECORD_HEADER`] bytes, then the frames).
+pub mod record {
+    /// u16 size of the record in bytes, u16 frames, u8 flags, u8 op
+    /// (`Op as u8`), u16 the probe's number.
+    pub const HEAD: u64 = 0;
+    pub const SEQ: u64 = 8;
+    pub const TSC: u64 = 16;
+    pub const ARG0: u64 = 24;
+    pub const ARG1: u64 = 32;
+    pub const ARG2: u64 = 40;
+    pub const RET: u64 = 48;
+    /// posix_memalign: the block stored through its first argument.
+    pub const STORED: u64 = 56;
+    pub const FRAMES: u64 = 64;
+
+    /// Flag: the stack ended where no unwind rule covered an address (or
+    /// outside the thread's stack): it may be incomplete.
+    pub const TRUNCATED: u8 = 1;
+    /// Flag: `--max-depth` frames were taken.
+    pub const FULL: u8 = 2;
+}
+
+/// Where the slot for thread pointer `tp` is first looked for (the probe
+/// computes the same: see `code`).
+pub fn home_slot(tp: u64) -> u64 {
+    (key_of(tp).wrapping_mul(HASH) >> (64 - SLOT_BITS)) & (SLOTS - 1)
+}
+
+/// The multiplier of the slot hash (Fibonacci hashing: 2^64 / φ, odd),
+/// which spreads thread pointers a stack size apart over the slots.
+pub const HASH: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// A slot's key for thread pointer `tp`: never 0, which marks a free slot.
+pub fn key_of(tp: u64) -> u64 {
+    tp.wrapping_add(1)
+}
+
+/// Offset of slot `i`, and of its ring.
+pub fn slot_offset(i: u64) -> u64 {
+    HEADER_SIZE + i * SLOT_SIZE
+}
+
+pub fn ring_offset(i: u64) -> u64 {
+    RINGS + i * RING_STRIDE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_consistent() {
+        assert_eq!(AREA_SIZE % 4096, 0);
+        assert_eq!(DIRS % 64, 0);
+        assert_eq!(TABLES % 64, 0);
+        assert_eq!(RINGS % 4096, 0);
+        assert!(RING_SIZE.is_power_of_two());
+        assert_eq!(RING_STRIDE % 8, 0);
+        // Slots of threads a stack apart land apart.
+        let homes: std::collections::HashSet<u64> = (0..64u64)
+            .map(|i| home_slot(0x7f00_0000_0000 + i * (8 << 20) + 0x6c0))
+            .collect();
+        assert!(homes.len() >= 60, "{}", homes.len());
+    }
+}

@@ -1,0 +1,175 @@
+//! Where a jump probe can be planted, and what it displaces.
+//!
+//! A `jmp rel32` takes five bytes. They go at the function's entry (after
+//! an `endbr64`, which indirect calls must still find there), over whole
+//! instructions that the probe runs displaced, relocated by iced-x86. That
+//! is safe only if nothing else in the program can land inside those five
+//! bytes: no branch of the function (scanned with iced-x86) may target any
+//! byte of them but the first, and no instruction before them may end the
+//! function (a `ret` or a jump out within the first bytes of a tiny
+//! function: the jump would overwrite what follows it). Where that cannot
+//! be shown, the function keeps an int3 on its first instruction, and the
+//! thread that stops there is sent to the same probe by memptrace.
+
+use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction};
+
+/// Bytes of a `jmp rel32`.
+pub const JUMP_LEN: u64 = 5;
+const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
+
+/// How a function's entry is patched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Where the patch goes.
+    pub at: u64,
+    /// The instructions it displaces (decoded at their addresses).
+    pub displaced: Vec<Instruction>,
+    /// Where the function goes on after them.
+    pub resume: u64,
+    /// `None`: a jump; `Some(why)`: an int3, because a jump is not safe.
+    pub int3: Option<String>,
+}
+
+impl Plan {
+    pub fn is_jump(&self) -> bool {
+        self.int3.is_none()
+    }
+}
+
+/// The plan for a function at `addr` whose code (and what follows it, up to
+/// the end of its image or a few KiB) is `code`.
+pub fn plan(code: &[u8], addr: u64) -> Plan {
+    match jump_plan(code, addr) {
+        Ok(plan) => plan,
+        Err(why) => int3_plan(code, addr, why),
+    }
+}
+
+fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
+    let skip = if code.starts_with(&ENDBR64) { 4 } else { 0 };
+    let at = addr + skip as u64;
+    let mut decoder = Decoder::with_ip(64, &code[skip..], at, DecoderOptions::NONE);
+    let mut displaced = Vec::new();
+    let mut len = 0u64;
+    while len < JUMP_LEN {
+        if !decoder.can_decode() {
+            return Err("the function is shorter than a jump".into());
+        }
+        let insn = decoder.decode();
+        if insn.is_invalid() {
+            return Err(format!("cannot decode the instruction at {:#x}", insn.ip()));
+        }
+        len += insn.len() as u64;
+        let ends = matches!(
+            insn.flow_control(),
+            FlowControl::Return | FlowControl::UnconditionalBranch | FlowControl::IndirectBranch
+        );
+        displaced.push(insn);
+        if ends && len < JUMP_LEN {
+            return Err(format!(
+                "the function leaves at {:#x}, within the bytes a jump needs",
+                insn.ip()
+            ));
+        }
+        if matches!(insn.code(), Code::Int3 | Code::Int1 | Code::Ud2) {
+            return Err(format!(
+                "{:#x}: a trap in the first instructions",
+                insn.ip()
+            ));
+        }
+        if insn.flow_control() == FlowControl::Call && len < JUMP_LEN {
+            // Its callee would return inside the jump.
+            return Err(format!(
+                "{:#x}: a call in the bytes a jump needs",
+                insn.ip()
+            ));
+        }
+    }
+    let patched = at + 1..at + len;
+    if let Some(from) = branch_into(code, addr, &patched) {
+        return Err(format!(
+            "a branch at {from:#x} lands inside the bytes a jump would cover"
+        ));
+    }
+    Ok(Plan {
+        at,
+        displaced,
+        resume: at + len,
+        int3: None,
+    })
+}
+
+/// An int3 on the first instruction (after `endbr64` too: the int3 takes
+/// one byte, and the thread is sent on from memptrace's stop).
+fn int3_plan(code: &[u8], addr: u64, why: String) -> Plan {
+    let mut decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
+    let insn = decoder.decode();
+    Plan {
+        at: addr,
+        displaced: vec![insn],
+        resume: addr + insn.len() as u64,
+        int3: Some(why),
+    }
+}
+
+/// The address of a direct branch in `code` (at `addr`) whose target lies
+/// in `range`, if any.
+fn branch_into(code: &[u8], addr: u64, range: &std::ops::Range<u64>) -> Option<u64> {
+    let decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
+    decoder
+        .into_iter()
+        .filter(|insn| !insn.is_invalid())
+        .find(|insn| {
+            matches!(
+                insn.flow_control(),
+                FlowControl::ConditionalBranch
+                    | FlowControl::UnconditionalBranch
+                    | FlowControl::Call
+                    | FlowControl::XbeginXabortXend
+            ) && range.contains(&insn.near_branch_target())
+        })
+        .map(|insn| insn.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AT: u64 = 0x7f00_0000_1000;
+
+    #[test]
+    fn displaces_whole_instructions_of_glibc_malloc() {
+        // push r12; push rbp; push rbx; mov rbx, rdi; sub rsp, 0x10
+        let code = [
+            0x41, 0x54, 0x55, 0x53, 0x48, 0x89, 0xfb, 0x48, 0x83, 0xec, 0x10, 0xc3,
+        ];
+        let plan = plan(&code, AT);
+        assert!(plan.is_jump(), "{:?}", plan.int3);
+        assert_eq!(plan.at, AT);
+        assert_eq!(plan.displaced.len(), 4);
+        assert_eq!(plan.resume, AT + 7);
+    }
+
+    #[test]
+    fn jumps_over_endbr64() {
+        let mut code = ENDBR64.to_vec();
+        code.extend([0xe9, 0x10, 0x00, 0x00, 0x00]); // jmp rel32 (musl's malloc)
+        let plan = plan(&code, AT);
+        assert!(plan.is_jump(), "{:?}", plan.int3);
+        assert_eq!(plan.at, AT + 4);
+        assert_eq!(plan.resume, AT + 9);
+    }
+
+    #[test]
+    fn keeps_an_int3_where_a_jump_is_not_safe() {
+        // test rdi, rdi; je +2; ret; ... a loop back to the je (offset 3).
+        let code = [0x48, 0x85, 0xff, 0x74, 0x02, 0x90, 0x90, 0xeb, 0xfa, 0xc3];
+        let plan = plan(&code, AT);
+        assert!(!plan.is_jump());
+        assert!(plan.int3.as_ref().unwrap().contains("branch"));
+        assert_eq!((plan.at, plan.resume), (AT, AT + 3));
+        // xor eax, eax; ret: too short.
+        let plan = super::plan(&[0x31, 0xc0, 0xc3, 0xcc, 0xcc, 0xcc], AT);
+        assert!(plan.int3.unwrap().contains("leaves"));
+    }
+}

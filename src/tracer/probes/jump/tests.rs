@@ -1,0 +1,304 @@
+//! The probe's machine code, run here: a control area and fake allocator
+//! functions in memptrace's own memory, the probes planted on them as in a
+//! target, and the calls made by this thread. What the ring holds afterwards
+//! is checked field by field.
+#![allow(unsafe_code)] // LocalMapping::call runs the generated code
+
+use iced_x86::code_asm::*;
+
+use super::code::{ProbeCode, ProbeSpec, probe};
+use super::layout::{self, dir, record, rule, slot};
+use super::plan::{Plan, plan};
+use crate::event::Op;
+use crate::os::local::{LocalMapping, thread_pointer};
+
+/// Offsets of the fake functions in the code mapping.
+const MALLOC: usize = 0x000;
+const FREE: usize = 0x040;
+const REALLOC: usize = 0x080;
+const CALLER: usize = 0x0c0;
+const PROBES: usize = 0x1000;
+
+struct Rig {
+    control: LocalMapping,
+    code: LocalMapping,
+    /// This thread's slot (offset in the control area).
+    slot: usize,
+    next_probe: usize,
+}
+
+/// One record as read back from the ring.
+#[derive(Debug)]
+struct Rec {
+    op: u8,
+    probe: u16,
+    flags: u8,
+    seq: u64,
+    args: [u64; 3],
+    ret: u64,
+    frames: Vec<u64>,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let control = LocalMapping::new(layout::AREA_SIZE as usize, false).unwrap();
+        let code = LocalMapping::new(64 << 10, true).unwrap();
+        control.write_u64(layout::MAGIC as usize, layout::MAGIC_VALUE);
+        control.write_u64(layout::DIRECTORY as usize, control.addr() + layout::DIRS);
+        control.write_u64(layout::WAIT_TIMESPEC as usize + 8, 1_000_000);
+        // This thread's slot, as memptrace makes one: fixed part, key last.
+        let tp = thread_pointer();
+        let i = layout::home_slot(tp);
+        let slot = layout::slot_offset(i) as usize;
+        let (lo, hi) = own_stack();
+        control.write_u64(slot + slot::STACK_LO as usize, lo);
+        control.write_u64(slot + slot::STACK_HI as usize, hi);
+        control.write_u64(
+            slot + slot::RING as usize,
+            control.addr() + layout::ring_offset(i),
+        );
+        control.write_u64(slot + slot::KEY as usize, layout::key_of(tp));
+
+        let rig = Rig {
+            control,
+            code,
+            slot,
+            next_probe: PROBES,
+        };
+        rig.function(MALLOC, |a| {
+            a.lea(rax, qword_ptr(rdi + 0x1000))?;
+            a.ret()
+        });
+        rig.function(FREE, |a| {
+            a.mov(rax, rdi)?;
+            a.nop()?;
+            a.nop()?;
+            a.ret()
+        });
+        let malloc = rig.code.addr() + MALLOC as u64;
+        rig.function(REALLOC, |a| {
+            a.push(rbx)?;
+            a.mov(rbx, rdi)?;
+            a.mov(rdi, rsi)?;
+            a.call(malloc)?;
+            a.pop(rbx)?;
+            a.ret()
+        });
+        rig.function(CALLER, |a| {
+            a.push(rbp)?;
+            a.mov(rbp, rsp)?;
+            a.call(malloc)?;
+            a.pop(rbp)?;
+            a.ret()
+        });
+        rig
+    }
+
+    fn function(
+        &self,
+        offset: usize,
+        body: impl FnOnce(&mut CodeAssembler) -> Result<(), IcedError>,
+    ) {
+        let mut a = CodeAssembler::new(64).unwrap();
+        body(&mut a).unwrap();
+        let bytes = a.assemble(self.code.addr() + offset as u64).unwrap();
+        self.code.write(offset, &bytes);
+    }
+
+    /// Plant a probe for `op` on the function at `offset`.
+    fn plant(&mut self, offset: usize, op: Op, id: u16) -> (Plan, ProbeCode) {
+        let addr = self.code.addr() + offset as u64;
+        let mut bytes = vec![0u8; 64];
+        self.code.read(offset, &mut bytes);
+        let plan = plan(&bytes, addr);
+        assert!(plan.is_jump(), "{:?}", plan.int3);
+        let at = self.code.addr() + self.next_probe as u64;
+        let spec = ProbeSpec {
+            id,
+            op,
+            control: self.control.addr(),
+            displaced: plan.displaced.clone(),
+            resume: plan.resume,
+            max_frames: 128,
+            fsgsbase: crate::os::procfs::fsgsbase(std::process::id() as i32),
+        };
+        let code = probe(&spec, at).unwrap();
+        self.code.write(self.next_probe, &code.bytes);
+        self.next_probe += code.bytes.len().next_multiple_of(64);
+        let rel = (code.entry as i64 - (plan.at as i64 + 5)) as i32;
+        let mut jump = vec![0xe9];
+        jump.extend(rel.to_le_bytes());
+        self.code
+            .write((plan.at - self.code.addr()) as usize, &jump);
+        (plan, code)
+    }
+
+    fn call(&self, offset: usize, a: u64, b: u64, c: u64) -> u64 {
+        // SAFETY: the fake functions and their probes follow the ABI and
+        // touch only their arguments' arithmetic, the stack and the control
+        // area (see Rig::new).
+        unsafe { self.code.call(offset, a, b, c) }
+    }
+
+    fn slot_word(&self, field: u64) -> u64 {
+        self.control.read_u64(self.slot + field as usize)
+    }
+
+    /// Every record committed so far.
+    fn records(&self) -> Vec<Rec> {
+        let ring = (self.slot_word(slot::RING) - self.control.addr()) as usize;
+        let head = self.slot_word(slot::HEAD) as usize;
+        let mut at = 0;
+        let mut out = Vec::new();
+        while at < head {
+            let r = ring + at % layout::RING_SIZE as usize;
+            let word = |f: u64| self.control.read_u64(r + f as usize);
+            let h = word(record::HEAD);
+            let size = (h & 0xffff) as usize;
+            let frames = ((h >> 16) & 0xffff) as usize;
+            out.push(Rec {
+                op: (h >> 40) as u8,
+                probe: (h >> 48) as u16,
+                flags: (h >> 32) as u8,
+                seq: word(record::SEQ),
+                args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
+                ret: word(record::RET),
+                frames: (0..frames)
+                    .map(|i| word(record::FRAMES + 8 * i as u64))
+                    .collect(),
+            });
+            assert_eq!(size, 64 + 8 * frames);
+            at += size;
+        }
+        out
+    }
+
+    /// A directory with one image: the code mapping, with `rows` (key =
+    /// offset in the mapping, rule).
+    fn directory(&self, rows: &[(u32, u32)]) {
+        let tables = layout::TABLES as usize;
+        for (i, (key, rule)) in rows.iter().enumerate() {
+            self.control.write(tables + 4 * i, &key.to_le_bytes());
+            self.control
+                .write(tables + 0x1000 + 4 * i, &rule.to_le_bytes());
+        }
+        let d = layout::DIRS as usize;
+        let e = d + 16;
+        let base = self.code.addr();
+        self.control.write_u64(e + dir::START as usize, base);
+        self.control
+            .write_u64(e + dir::END as usize, base + self.code.len() as u64);
+        self.control.write_u64(e + dir::BIAS as usize, base);
+        self.control
+            .write_u64(e + dir::KEYS as usize, self.control.addr() + tables as u64);
+        self.control.write_u64(
+            e + dir::RULES as usize,
+            self.control.addr() + tables as u64 + 0x1000,
+        );
+        self.control
+            .write_u64(e + dir::ROWS as usize, rows.len() as u64);
+        self.control.write_u64(d, 1);
+    }
+}
+
+/// The bounds of the mapping holding this thread's stack.
+fn own_stack() -> (u64, u64) {
+    let here = 0u8;
+    let at = &here as *const u8 as u64;
+    let maps = crate::os::procfs::read_maps(std::process::id() as i32).unwrap();
+    let m = maps.iter().find(|m| m.start <= at && at < m.end).unwrap();
+    (m.start, m.end)
+}
+
+#[test]
+fn records_calls_in_order_with_their_results() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    rig.plant(FREE, Op::Free, 2);
+    assert_eq!(
+        rig.call(MALLOC, 5, 0, 0),
+        0x1005,
+        "the function still works"
+    );
+    assert_eq!(rig.call(FREE, 0x1005, 0, 0), 0x1005);
+    assert_eq!(rig.call(MALLOC, 70, 0, 0), 0x1046);
+    let records = rig.records();
+    assert_eq!(records.len(), 3, "{records:?}");
+    let (m, f) = (&records[0], &records[1]);
+    assert_eq!(
+        (m.op, m.probe, m.args[0], m.ret),
+        (Op::Malloc as u8, 1, 5, 0x1005)
+    );
+    assert_eq!(
+        (f.op, f.probe, f.args[0], f.ret),
+        (Op::Free as u8, 2, 0x1005, 0)
+    );
+    assert_eq!(records.iter().map(|r| r.seq).collect::<Vec<_>>(), [0, 1, 2]);
+    // No unwind table: the caller only, and the stack marked incomplete.
+    for r in &records {
+        assert_eq!(r.frames.len(), 1);
+        assert_ne!(r.frames[0], 0);
+        assert_eq!(r.flags & record::TRUNCATED, record::TRUNCATED);
+    }
+    // Nothing left claimed.
+    assert_eq!(rig.slot_word(slot::BUSY), 0);
+    assert_eq!(rig.slot_word(slot::PENDING_SP), 0);
+    assert_eq!(rig.slot_word(slot::NESTED), 0);
+}
+
+#[test]
+fn a_call_inside_a_call_is_not_recorded() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    rig.plant(REALLOC, Op::Realloc, 3);
+    // realloc(0x77, 9) calls malloc(9) from its displaced call instruction.
+    assert_eq!(rig.call(REALLOC, 0x77, 9, 0), 0x1009);
+    let records = rig.records();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let r = &records[0];
+    assert_eq!(
+        (r.op, r.args[0], r.args[1], r.ret),
+        (Op::Realloc as u8, 0x77, 9, 0x1009)
+    );
+    assert_eq!(rig.slot_word(slot::NESTED), 1);
+    assert_eq!(rig.slot_word(slot::PENDING_SP), 0);
+}
+
+#[test]
+fn walks_the_stack_with_the_unwind_table() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    let c = CALLER as u32;
+    let rbp_at_16 = 2 << rule::RBP_SHIFT;
+    rig.directory(&[
+        (c, 8),                                    // at the entry
+        (c + 1, 16 | rbp_at_16),                   // after push rbp
+        (c + 4, 16 | rule::RBP_BASED | rbp_at_16), // after mov rbp, rsp
+        (c + 0x20, rule::NONE),
+    ]);
+    assert_eq!(rig.call(CALLER, 3, 0, 0), 0x1003);
+    let records = rig.records();
+    assert_eq!(records.len(), 1);
+    let r = &records[0];
+    let code = rig.code.addr()..rig.code.addr() + rig.code.len() as u64;
+    // The caller's return address into CALLER, then the one into the test
+    // (outside any image: the stack ends there).
+    assert_eq!(r.frames.len(), 2, "{r:?}");
+    assert_eq!(r.frames[0], rig.code.addr() + CALLER as u64 + 9);
+    assert!(!code.contains(&r.frames[1]) && r.frames[1] != 0);
+    assert_eq!(r.flags & record::TRUNCATED, record::TRUNCATED);
+}
+
+#[test]
+fn the_displaced_instructions_are_mapped_back() {
+    let mut rig = Rig::new();
+    let (plan, code) = rig.plant(REALLOC, Op::Realloc, 3);
+    let addr = rig.code.addr() + REALLOC as u64;
+    let originals: Vec<u64> = code.displaced_map.iter().map(|&(_, orig)| orig).collect();
+    // push rbx; mov rbx, rdi (4 bytes, short of a jump), mov rdi, rsi: 7.
+    assert_eq!(originals, [addr, addr + 1, addr + 4, addr + 7]);
+    assert_eq!(plan.resume, addr + 7);
+    assert_eq!(code.displaced_map[0].0, code.displaced);
+    assert!(code.displaced_map.windows(2).all(|w| w[0].0 < w[1].0));
+    assert!(code.entry < code.miss && code.miss < code.displaced && code.displaced < code.end);
+}

@@ -1,0 +1,179 @@
+//! The processes and threads being traced, and everything memptrace keeps
+//! about each: one [`Process`] per traced process (its role, its address
+//! space, its unwinder state, what it learnt about its call sites), one
+//! [`Thread`] per traced thread, and the children announced but not yet
+//! seen. What belongs to a process goes with it: at its exit or exec,
+//! nothing of it stays behind.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use super::copies::PendingCopy;
+use super::space::Space;
+use crate::event::Op;
+use crate::os::ptrace::{Stop, Tid};
+use crate::unwind::libunwind::LibunwindUnwinder;
+use crate::unwind::pipeline::CallStack;
+
+/// The role of a traced process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Launched, not yet through its first execve.
+    Prelaunch,
+    Traced,
+    /// A vfork child (or a clone sharing memory): it runs in its parent's
+    /// address space, hooks included, until it execs. Its calls are not
+    /// recorded; it is released when it execs or exits.
+    Shares {
+        parent: Tid,
+    },
+}
+
+/// One traced process.
+pub struct Process {
+    pub role: Role,
+    pub space: Option<Space>,
+    /// libunwind's state (`--unwinder libunwind` only): images of different
+    /// processes may share addresses.
+    pub libunwind: Option<LibunwindUnwinder>,
+    /// Which of several names sharing an address each call site used (see
+    /// `callsite`), by return address.
+    pub aliases: HashMap<u64, Op>,
+    /// Calls seen per call site (return address), for `--stack-every`.
+    pub sites: HashMap<u64, u64>,
+    /// The user was told its program has nothing to hook.
+    pub warned: bool,
+    /// Records of its jump probes waiting for their turn.
+    pub merge: super::rings::Merge,
+    /// A vfork child: the thread of its parent whose slot records nothing
+    /// while the child runs on the parent's stack.
+    pub paused: Option<Tid>,
+}
+
+impl Process {
+    pub fn new(role: Role, space: Option<Space>) -> Process {
+        Process {
+            role,
+            space,
+            libunwind: None,
+            aliases: HashMap::new(),
+            sites: HashMap::new(),
+            warned: false,
+            merge: Default::default(),
+            paused: None,
+        }
+    }
+
+    /// Its calls are recorded (it is not running in another's memory).
+    pub fn recorded(&self) -> bool {
+        matches!(self.role, Role::Traced | Role::Prelaunch)
+    }
+
+    /// A new program replaced the old one: what was learnt of the old code
+    /// goes.
+    pub fn exec(&mut self, space: Space) {
+        self.role = Role::Traced;
+        self.space = Some(space);
+        self.libunwind = None;
+        self.aliases.clear();
+        self.sites.clear();
+        self.warned = false;
+    }
+}
+
+/// A call that entered the allocator and has not returned yet.
+#[derive(Debug)]
+pub struct PendingCall {
+    pub op: Op,
+    pub args: [u64; 3],
+    /// rsp at entry: where the caller's return address sits.
+    pub entry_sp: u64,
+    /// The slot's call stub the thread went through (see
+    /// `probes::int3::slot_code`): the call returns to its int3.
+    pub stub: u64,
+    pub stack: CallStack,
+    pub module_id: u64,
+}
+
+/// One traced thread.
+pub struct Thread {
+    pub pid: Tid,
+    pub in_call: Option<PendingCall>,
+    /// The memory mapping that holds this thread's stack.
+    pub stack: Option<Range<u64>>,
+    pub start_ns: u64,
+    /// A stack copy the thread was sent to make, not taken yet.
+    pub copy: Option<PendingCopy>,
+}
+
+impl Thread {
+    pub fn new(pid: Tid, start_ns: u64) -> Thread {
+        Thread {
+            pid,
+            in_call: None,
+            stack: None,
+            start_ns,
+            copy: None,
+        }
+    }
+}
+
+/// A child announced by a clone/fork/vfork event, before its first stop.
+#[derive(Clone, Copy, Debug)]
+pub enum Child {
+    Thread { pid: Tid },
+    Fork { parent: Tid },
+    Shared { parent: Tid, by: Tid },
+}
+
+/// Every traced process and thread.
+#[derive(Default)]
+pub struct Family {
+    pub processes: HashMap<Tid, Process>,
+    pub threads: HashMap<Tid, Thread>,
+    /// First stops of threads whose creation event has not been seen yet.
+    pub early: HashMap<Tid, Stop>,
+    /// Children announced whose first stop has not been seen yet.
+    pub announced: HashMap<Tid, Child>,
+}
+
+impl Family {
+    /// The process a thread belongs to.
+    pub fn pid_of(&self, tid: Tid) -> Option<Tid> {
+        Some(self.threads.get(&tid)?.pid)
+    }
+
+    /// The process whose address space the thread runs in: its own, or
+    /// its parent's for a vfork child.
+    pub fn owner_of(&self, tid: Tid) -> Option<Tid> {
+        let pid = self.pid_of(tid)?;
+        Some(match self.processes.get(&pid)?.role {
+            Role::Shares { parent } => parent,
+            _ => pid,
+        })
+    }
+
+    /// The address space the thread runs in.
+    pub fn space_of(&self, tid: Tid) -> Option<&Space> {
+        self.processes.get(&self.owner_of(tid)?)?.space.as_ref()
+    }
+
+    pub fn space_of_mut(&mut self, tid: Tid) -> Option<&mut Space> {
+        let owner = self.owner_of(tid)?;
+        self.processes.get_mut(&owner)?.space.as_mut()
+    }
+
+    /// The threads of process `pid`.
+    pub fn threads_of(&self, pid: Tid) -> Vec<Tid> {
+        self.threads
+            .iter()
+            .filter(|(_, t)| t.pid == pid)
+            .map(|(&tid, _)| tid)
+            .collect()
+    }
+
+    /// Nothing is traced any more, and no child is on its way.
+    pub fn is_empty(&self) -> bool {
+        self.processes.is_empty() && self.announced.is_empty()
+    }
+}

@@ -1,0 +1,238 @@
+//! What the jump probes recorded: read from every thread's ring, put back
+//! in the order the calls took effect, and booked like the calls the int3
+//! probes catch.
+//!
+//! Each record carries a sequence number the probe took from the address
+//! space's counter (`lock xadd`) just before it committed the record, so
+//! the numbers of one address space have no holes, each thread's records
+//! come in increasing order, and sorting by number gives the order in
+//! which the calls took effect (a block is freed before another thread can
+//! get it from malloc). A number not seen yet is a record some thread is
+//! committing: the records after it wait for it, briefly. Only a thread
+//! stopped for good between the two instructions can keep a number away
+//! (a signal handler that longjmps out of a probe): after a while, or once
+//! every thread stands still outside the probes, the hole is skipped.
+
+use std::time::{Duration, Instant};
+
+use super::Tracer;
+use super::ledger::CallFacts;
+use super::probes::jump::control::Record;
+use super::probes::jump::layout::record;
+use crate::os::local;
+use crate::os::ptrace::Tid;
+use crate::unwind::pipeline::CallStack;
+
+/// How long records wait for a missing sequence number.
+const GAP_PATIENCE: Duration = Duration::from_millis(500);
+
+/// Records of one address space waiting for their turn.
+#[derive(Debug, Default)]
+pub struct Merge {
+    /// Sorted by sequence number; the first is above `next`.
+    held: Vec<Record>,
+    /// The next sequence number to record.
+    next: u64,
+    /// Since when the first held record waits for a missing number.
+    gap_since: Option<Instant>,
+}
+
+/// The probes' clock (the CPU's time-stamp counter) in the trace's
+/// nanoseconds: measured against the trace's clock at the start and again
+/// as the trace goes on, and never going back.
+#[derive(Debug)]
+pub struct TscClock {
+    tsc0: u64,
+    ns0: u64,
+    ticks_per_ns: f64,
+    last_ns: u64,
+}
+
+impl TscClock {
+    /// Calibrate against `now_ns` (the trace's clock), over a few
+    /// milliseconds.
+    pub fn calibrate(now_ns: impl Fn() -> u64) -> TscClock {
+        let (ns0, tsc0) = (now_ns(), local::tsc());
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(5) {
+            std::hint::spin_loop();
+        }
+        let mut clock = TscClock {
+            tsc0,
+            ns0,
+            ticks_per_ns: 1.0,
+            last_ns: 0,
+        };
+        clock.refine(now_ns(), local::tsc());
+        clock
+    }
+
+    /// Measure the rate again over the whole trace so far.
+    pub fn refine(&mut self, now_ns: u64, tsc: u64) {
+        let (ns, ticks) = (
+            now_ns.saturating_sub(self.ns0),
+            tsc.saturating_sub(self.tsc0),
+        );
+        if ns > 0 && ticks > 0 {
+            self.ticks_per_ns = ticks as f64 / ns as f64;
+        }
+    }
+
+    /// The trace time of counter value `tsc`.
+    pub fn ns(&mut self, tsc: u64) -> u64 {
+        let since = tsc.saturating_sub(self.tsc0) as f64 / self.ticks_per_ns;
+        let ns = (self.ns0 + since as u64).max(self.last_ns);
+        self.last_ns = ns;
+        ns
+    }
+}
+
+impl Tracer {
+    /// Read the rings of every process and book what can be booked in order.
+    /// `settle`: every thread stands outside the probes, or is gone, so a
+    /// number not seen now never will be. Returns the records read.
+    pub(super) fn drain_rings(&mut self, settle: bool) -> usize {
+        let pids: Vec<Tid> = self
+            .family
+            .processes
+            .iter()
+            .filter(|(_, p)| p.space.as_ref().is_some_and(|s| s.control().is_some()))
+            .map(|(&pid, _)| pid)
+            .collect();
+        pids.into_iter()
+            .map(|pid| self.drain_process(pid, settle))
+            .sum()
+    }
+
+    /// [`Tracer::drain_rings`] for one process.
+    pub(super) fn drain_process(&mut self, pid: Tid, settle: bool) -> usize {
+        let Some(process) = self.family.processes.get_mut(&pid) else {
+            return 0;
+        };
+        let Some(control) = process.space.as_ref().and_then(|s| s.control()) else {
+            return 0;
+        };
+        let merge = &mut process.merge;
+        let mut records = std::mem::take(&mut merge.held);
+        let before = records.len();
+        for (slot, tid) in control.used_slots() {
+            control.pull(slot, tid, &mut records);
+        }
+        let read = records.len() - before;
+        if records.is_empty() {
+            return 0;
+        }
+        if read > 0 {
+            records.sort_unstable_by_key(|r| r.seq);
+        }
+        let mut take = 0;
+        let mut skipped = 0;
+        while take < records.len() {
+            let seq = records[take].seq;
+            if seq > merge.next {
+                let waited = merge.gap_since.get_or_insert_with(Instant::now).elapsed();
+                if !settle && waited < GAP_PATIENCE {
+                    break;
+                }
+                skipped += seq - merge.next;
+                merge.next = seq;
+            }
+            merge.next = merge.next.max(seq + 1);
+            merge.gap_since = None;
+            take += 1;
+        }
+        merge.held = records.split_off(take);
+        self.stats.skipped_records += skipped;
+        for record in records {
+            self.book_record(pid, record);
+        }
+        read
+    }
+
+    /// Book one record of process `pid`.
+    fn book_record(&mut self, pid: Tid, r: Record) {
+        let Some(space) = self
+            .family
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref())
+        else {
+            return;
+        };
+        let Some(info) = space.probe_info(r.probe) else {
+            return;
+        };
+        let module_id = info.module_id;
+        let caller = r.frames.first().copied().unwrap_or(0);
+        let op = if info.ops.len() > 1 {
+            let ops = info.ops.clone();
+            self.alias(pid, &ops, caller)
+        } else {
+            r.op
+        };
+        if r.flags & record::TRUNCATED != 0 {
+            self.stats.truncated_stacks += 1;
+        }
+        let ts_ns = match self.tsc.as_mut() {
+            Some(clock) => clock.ns(r.tsc),
+            None => self.now_ns(),
+        };
+        let facts = CallFacts {
+            pid: pid as u32,
+            tid: r.tid as u32,
+            ts_ns,
+            args: r.args,
+            ret: r.ret,
+            stored_ptr: r.stored,
+        };
+        // `--stack-every N`: every Nth call of a call site keeps its stack
+        // (as the int3 probes unwind it), and so does every release of a
+        // block not known to be live, which may be the allocator's own
+        // housekeeping (told apart by its whole stack).
+        let unknown_release =
+            op.takes_block() && r.args[0] != 0 && !self.ledger.is_live(pid as u32, r.args[0]);
+        let whole = self.opts.stacks && (unknown_release || self.sampled(pid, caller));
+        let stack = if whole {
+            CallStack::Unwound(r.frames)
+        } else {
+            CallStack::CallerOnly(caller)
+        };
+        self.complete(op, &facts, stack, module_id);
+    }
+
+    /// A thread is about to exit: what it recorded is read, and its slots
+    /// go to the threads to come.
+    pub(super) fn release_slots(&mut self, tid: Tid) {
+        let Some(pid) = self.family.owner_of(tid) else {
+            return;
+        };
+        self.drain_process(pid, false);
+        let control = self
+            .family
+            .processes
+            .get_mut(&pid)
+            .and_then(|p| p.space.as_mut())
+            .and_then(|s| s.control_mut());
+        if let Some(control) = control {
+            for slot in control.slots_of(tid) {
+                control.release(slot);
+            }
+        }
+    }
+
+    /// Add what the control area of process `pid` counted to the trace's
+    /// counts (the process is going, or the trace ends): calls seen but not
+    /// recorded (nested in a call), and calls left by a longjmp.
+    pub(super) fn count_probes(&mut self, pid: Tid) {
+        let control = self
+            .family
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref()?.control());
+        if let Some(c) = control {
+            let (nested, abandoned) = c.live_counts();
+            self.stats.nested_calls += c.nested + nested;
+            self.stats.lost_returns += c.abandoned + abandoned;
+        }
+    }
+}

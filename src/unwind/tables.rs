@@ -1,0 +1,293 @@
+//! Compact unwind tables: an image's DWARF CFI (`.eh_frame`, and
+//! `.debug_frame` where `.eh_frame` says nothing) reduced to one rule per
+//! address range, the shape the jump probes walk stacks with inside the
+//! target (the layout of the kernel's ORC tables and of the eBPF profilers
+//! that unwind without frame pointers).
+//!
+//! A rule says where the caller's frame is: the CFA is rsp or rbp plus an
+//! offset, the return address is at CFA - 8, and the caller's rbp is either
+//! unchanged or saved at CFA - 8k. Every CFI row that says anything else
+//! (a CFA expression, as in PLT entries; a return address elsewhere) gets
+//! the rule "none", where a stack walk stops, and so does every address no
+//! FDE covers: a walk never guesses.
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
+    UnwindContext, UnwindSection, X86_64,
+};
+
+use crate::symbols::elf::{ElfImage, SectionData};
+
+/// An unwind rule, as a u32: how to find the caller's frame from a frame
+/// at an address the row covers.
+pub mod rule {
+    /// Bits 0-15: the CFA is this many bytes above its base register.
+    pub const OFFSET_MASK: u32 = 0xffff;
+    /// Bit 16: the base register is rbp (else rsp).
+    pub const RBP_BASED: u32 = 1 << 16;
+    /// Bits 17-24: the caller's rbp is saved at CFA - 8 * this (0: rbp is
+    /// not changed in this frame).
+    pub const RBP_SHIFT: u32 = 17;
+    pub const RBP_MASK: u32 = 0xff;
+    /// Bit 31: no rule covers the address: the stack ends here, maybe
+    /// early (it is marked truncated).
+    pub const NONE: u32 = 1 << 31;
+    /// The outermost frame (its return address is undefined: `_start`, a
+    /// thread's start routine): the stack is complete.
+    pub const END: u32 = NONE | 1;
+}
+
+/// Rows sorted by key: `keys[i]` is the SVMA where `rules[i]` starts.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnwindTable {
+    pub keys: Vec<u32>,
+    pub rules: Vec<u32>,
+}
+
+impl UnwindTable {
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The rule covering `svma`, if a row does.
+    pub fn rule_at(&self, svma: u32) -> Option<u32> {
+        let i = self.keys.partition_point(|&k| k <= svma).checked_sub(1)?;
+        Some(self.rules[i])
+    }
+}
+
+/// The table of `image`'s CFI.
+pub fn build(image: &ElfImage) -> UnwindTable {
+    let mut rows: Vec<(u64, u64, u32)> = Vec::new();
+    if let Some(section) = &image.eh_frame {
+        let mut bases = BaseAddresses::default().set_eh_frame(section.svma.start);
+        if let Some(text) = &image.text {
+            bases = bases.set_text(text.start);
+        }
+        rows_of(
+            &EhFrame::new(&section.data, LittleEndian),
+            &bases,
+            &mut rows,
+        );
+    }
+    if let Some(section) = &image.debug_frame {
+        let covered = covered(&rows);
+        let mut more = Vec::new();
+        rows_of_debug_frame(section, &mut more);
+        more.retain(|&(start, _, _)| !in_ranges(&covered, start));
+        rows.extend(more);
+    }
+    compact(rows)
+}
+
+fn rows_of_debug_frame(section: &SectionData, rows: &mut Vec<(u64, u64, u32)>) {
+    let mut frame = DebugFrame::new(&section.data, LittleEndian);
+    frame.set_address_size(8);
+    rows_of(&frame, &BaseAddresses::default(), rows);
+}
+
+/// Append `(start, end, rule)` for every CFI row of `section`.
+fn rows_of<'a, S>(section: &S, bases: &BaseAddresses, rows: &mut Vec<(u64, u64, u32)>)
+where
+    S: UnwindSection<gimli::EndianSlice<'a, LittleEndian>>,
+{
+    let mut ctx = UnwindContext::new();
+    let mut entries = section.entries(bases);
+    loop {
+        let entry = match entries.next() {
+            Ok(Some(entry)) => entry,
+            Ok(None) => break,
+            Err(_) => break, // a malformed section: what was read stays
+        };
+        let CieOrFde::Fde(partial) = entry else {
+            continue;
+        };
+        let Ok(fde) = partial.parse(S::cie_from_offset) else {
+            continue;
+        };
+        let Ok(mut table) = fde.rows(section, bases, &mut ctx) else {
+            continue;
+        };
+        while let Ok(Some(row)) = table.next_row() {
+            // A register with no rule of its own keeps its value (x86-64
+            // CIEs give the return address its rule; rbp usually has none).
+            let unchanged = |r| row.register(r).unwrap_or(RegisterRule::SameValue);
+            let rule = rule_of(row.cfa(), unchanged(X86_64::RA), unchanged(X86_64::RBP));
+            rows.push((row.start_address(), row.end_address(), rule));
+        }
+    }
+}
+
+/// The rule for one CFI row.
+fn rule_of(cfa: &CfaRule<usize>, ra: RegisterRule<usize>, rbp: RegisterRule<usize>) -> u32 {
+    if let RegisterRule::Undefined = ra {
+        return rule::END;
+    }
+    let CfaRule::RegisterAndOffset { register, offset } = *cfa else {
+        return rule::NONE;
+    };
+    let base = match register {
+        X86_64::RSP => 0,
+        X86_64::RBP => rule::RBP_BASED,
+        _ => return rule::NONE,
+    };
+    let Ok(offset) = u16::try_from(offset) else {
+        return rule::NONE;
+    };
+    if !matches!(ra, RegisterRule::Offset(-8)) {
+        return rule::NONE;
+    }
+    let saved = match rbp {
+        RegisterRule::Undefined | RegisterRule::SameValue => 0,
+        RegisterRule::Offset(at) if at < 0 && at % 8 == 0 && -at / 8 <= rule::RBP_MASK as i64 => {
+            (-at / 8) as u32
+        }
+        _ => return rule::NONE,
+    };
+    u32::from(offset) | base | (saved << rule::RBP_SHIFT)
+}
+
+/// Sort rows, end each FDE's run with "none" where nothing follows it, and
+/// merge neighbours with the same rule. Rows beyond 4 GiB are dropped (the
+/// probes compare 32-bit keys).
+fn compact(mut rows: Vec<(u64, u64, u32)>) -> UnwindTable {
+    rows.retain(|&(start, end, _)| start < end && end <= u64::from(u32::MAX));
+    rows.sort_unstable_by_key(|&(start, _, _)| start);
+    let mut table = UnwindTable::default();
+    let push = |key: u64, rule: u32, table: &mut UnwindTable| {
+        let key = key as u32;
+        if table.keys.last() == Some(&key) {
+            // A row starting where the previous one did: the later wins.
+            *table.rules.last_mut().expect("a rule per key") = rule;
+            return;
+        }
+        if table.rules.last() == Some(&rule) {
+            return;
+        }
+        table.keys.push(key);
+        table.rules.push(rule);
+    };
+    for (i, &(start, end, rule)) in rows.iter().enumerate() {
+        push(start, rule, &mut table);
+        let next = rows.get(i + 1).map(|&(s, _, _)| s);
+        if next != Some(end) {
+            push(end, rule::NONE, &mut table);
+        }
+    }
+    table
+}
+
+/// The ranges rows cover, merged.
+fn covered(rows: &[(u64, u64, u32)]) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = rows.iter().map(|&(s, e, _)| (s, e)).collect();
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in ranges {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    merged
+}
+
+fn in_ranges(ranges: &[(u64, u64)], at: u64) -> bool {
+    let i = ranges.partition_point(|&(s, _)| s <= at);
+    i > 0 && at < ranges[i - 1].1
+}
+
+/// A register's rule as the probes understand them; for tests.
+#[cfg(test)]
+fn rbp_slot(rule: u32) -> u32 {
+    (rule >> rule::RBP_SHIFT) & rule::RBP_MASK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gimli::Register;
+
+    #[test]
+    fn reduces_cfi_rows_to_rules() {
+        // push rbp; mov rbp, rsp: CFA rsp+8, then rsp+16 with rbp at CFA-16,
+        // then rbp+16.
+        let at_entry = rule_of(
+            &CfaRule::RegisterAndOffset {
+                register: X86_64::RSP,
+                offset: 8,
+            },
+            RegisterRule::Offset(-8),
+            RegisterRule::Undefined,
+        );
+        assert_eq!(at_entry, 8);
+        let framed = rule_of(
+            &CfaRule::RegisterAndOffset {
+                register: X86_64::RBP,
+                offset: 16,
+            },
+            RegisterRule::Offset(-8),
+            RegisterRule::Offset(-16),
+        );
+        assert_eq!(framed & rule::OFFSET_MASK, 16);
+        assert_ne!(framed & rule::RBP_BASED, 0);
+        assert_eq!(rbp_slot(framed), 2);
+        // A CFA expression (PLT entries), or rbx as the base: no rule.
+        let expr = CfaRule::Expression(gimli::UnwindExpression {
+            offset: 0,
+            length: 0,
+        });
+        assert_eq!(
+            rule_of(&expr, RegisterRule::Offset(-8), RegisterRule::Undefined),
+            rule::NONE
+        );
+        let rbx = CfaRule::RegisterAndOffset {
+            register: Register(3),
+            offset: 8,
+        };
+        assert_eq!(
+            rule_of(&rbx, RegisterRule::Offset(-8), RegisterRule::Undefined),
+            rule::NONE
+        );
+        // _start: the return address is undefined: the outermost frame.
+        assert_eq!(
+            rule_of(&rbx, RegisterRule::Undefined, RegisterRule::Undefined),
+            rule::END
+        );
+    }
+
+    #[test]
+    fn ends_each_function_and_merges_runs() {
+        let table = compact(vec![
+            (0x1000, 0x1001, 8),
+            (0x1001, 0x1010, 16),
+            (0x1010, 0x1020, 16),
+            (0x2000, 0x2008, 8),
+        ]);
+        assert_eq!(table.keys, [0x1000, 0x1001, 0x1020, 0x2000, 0x2008]);
+        assert_eq!(table.rules, [8, 16, rule::NONE, 8, rule::NONE]);
+        assert_eq!(table.rule_at(0x0fff), None);
+        assert_eq!(table.rule_at(0x1015), Some(16));
+        assert_eq!(table.rule_at(0x1500), Some(rule::NONE));
+    }
+
+    #[test]
+    fn covers_glibc_with_rules() {
+        let path = "/lib/x86_64-linux-gnu/libc.so.6";
+        let bytes = std::fs::read(path).unwrap();
+        let image = ElfImage::parse(path, &bytes).unwrap();
+        let table = build(&image);
+        assert!(table.len() > 1000, "{} rows", table.len());
+        assert!(table.keys.windows(2).all(|w| w[0] < w[1]));
+        // malloc has a rule at its entry: CFA = rsp + 8.
+        let malloc = image
+            .allocators
+            .iter()
+            .find(|a| a.ops.contains(&crate::event::Op::Malloc));
+        let svma = malloc.unwrap().svma.0 as u32;
+        assert_eq!(table.rule_at(svma), Some(8));
+    }
+}
