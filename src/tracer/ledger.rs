@@ -2,7 +2,7 @@
 //! each release with the allocation it ends, and keeps the live-heap total.
 //! Pure bookkeeping, in the order calls took effect.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::event::{Event, Op};
 
@@ -23,7 +23,7 @@ pub struct CallFacts {
 #[derive(Default)]
 pub struct Ledger {
     /// (pid, block) -> (event id of its allocation, size)
-    live: HashMap<(u32, u64), (u64, u64)>,
+    live: FxHashMap<(u32, u64), (u64, u64)>,
     next_id: u64,
     live_bytes: u64,
     events: u64,

@@ -2,19 +2,29 @@
 //! and each distinct code address once, however many events share them. A
 //! trace's memory grows with its distinct stacks, not with its events.
 
-use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::sink::{FrameRecord, Record, StackNode};
 
 /// Interns frames (unique `(module, ip)`) and trie nodes (unique
-/// `(parent, frame)`), emitting a record for each new one.
+/// `(parent, frame)`), emitting a record for each new one. A program makes
+/// the same few stacks over and over: each whole stack seen is remembered
+/// with its leaf, so most calls cost one hash of their addresses.
 #[derive(Default)]
 pub struct Interner {
-    frame_ids: HashMap<(u64, u64), u64>,
-    node_ids: HashMap<(u64, u64), u64>,
+    frame_ids: FxHashMap<(u64, u64), u64>,
+    node_ids: FxHashMap<(u64, u64), u64>,
+    /// Whole stacks seen, by hash of (context, addresses): the addresses
+    /// and the leaf node.
+    stacks: FxHashMap<u64, (u64, Box<[u64]>, u64)>,
     frames: Vec<FrameRecord>,
     nodes: u64,
 }
+
+/// Whole stacks remembered at most (then the cache starts again).
+const STACK_CACHE: usize = 1 << 20;
 
 /// Key for addresses outside every known module.
 const NO_MODULE: u64 = u64::MAX;
@@ -27,7 +37,35 @@ impl Interner {
     /// Intern a stack given innermost first; returns its leaf node (the
     /// innermost frame), or `None` for an empty stack. New frames and nodes are
     /// appended to `out` before the caller uses the returned id.
+    /// `context` tells apart the same addresses in different address spaces
+    /// (a process id).
     pub fn intern(
+        &mut self,
+        context: u64,
+        ips: &[u64],
+        module_of: impl Fn(u64) -> Option<u64>,
+        out: &mut Vec<Record>,
+    ) -> Option<u64> {
+        let key = {
+            let mut h = FxBuildHasher.build_hasher();
+            context.hash(&mut h);
+            ips.hash(&mut h);
+            h.finish()
+        };
+        if let Some((c, seen, leaf)) = self.stacks.get(&key) {
+            if *c == context && **seen == *ips {
+                return Some(*leaf);
+            }
+        }
+        let leaf = self.intern_frames(ips, module_of, out)?;
+        if self.stacks.len() >= STACK_CACHE {
+            self.stacks.clear();
+        }
+        self.stacks.insert(key, (context, ips.into(), leaf));
+        Some(leaf)
+    }
+
+    fn intern_frames(
         &mut self,
         ips: &[u64],
         module_of: impl Fn(u64) -> Option<u64>,
@@ -71,6 +109,15 @@ impl Interner {
         (parent != 0).then_some(parent)
     }
 
+    /// Forget the whole stacks of `context` (a process that is gone: its
+    /// number may come back with other images), or of every context.
+    pub fn forget_stacks(&mut self, context: Option<u64>) {
+        match context {
+            Some(context) => self.stacks.retain(|_, (c, _, _)| *c != context),
+            None => self.stacks.clear(),
+        }
+    }
+
     /// Every frame interned so far, by id order.
     pub fn frames(&self) -> &[FrameRecord] {
         &self.frames
@@ -92,16 +139,16 @@ mod tests {
         let module = |ip: u64| (ip >= 0x1000).then_some(7);
         // innermost first: leaf 0x1003 called from 0x1002, from 0x1001 (outermost).
         let a = interner
-            .intern(&[0x1003, 0x1002, 0x1001], module, &mut out)
+            .intern(1, &[0x1003, 0x1002, 0x1001], module, &mut out)
             .unwrap();
         assert_eq!(out.len(), 6, "three frames, three nodes");
         let b = interner
-            .intern(&[0x1004, 0x1002, 0x1001], module, &mut out)
+            .intern(1, &[0x1004, 0x1002, 0x1001], module, &mut out)
             .unwrap();
         assert_eq!(out.len(), 8, "one new frame, one new node");
         assert_ne!(a, b);
         let again = interner
-            .intern(&[0x1003, 0x1002, 0x1001], module, &mut out)
+            .intern(1, &[0x1003, 0x1002, 0x1001], module, &mut out)
             .unwrap();
         assert_eq!(again, a);
         assert_eq!(out.len(), 8);
@@ -120,6 +167,6 @@ mod tests {
         let leaf_frame = &interner.frames()[leaf.frame_id as usize - 1];
         assert_eq!(leaf_frame.ip, 0x1003);
         assert_eq!(leaf_frame.module_id, Some(7));
-        assert_eq!(interner.intern(&[], module, &mut out), None);
+        assert_eq!(interner.intern(1, &[], module, &mut out), None);
     }
 }

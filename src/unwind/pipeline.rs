@@ -217,9 +217,12 @@ impl Pipeline {
                     id: module_id,
                     ts_ns,
                 });
+                // Its addresses may serve another image from now on.
+                self.interner.forget_stacks(None);
             }
             TraceMsg::ProcessGone { pid } => {
                 self.processes.remove(&pid);
+                self.interner.forget_stacks(Some(u64::from(pid)));
             }
             TraceMsg::Record(record) => self.out.push(record),
             TraceMsg::Call(call) => self.call(*call),
@@ -265,7 +268,9 @@ impl Pipeline {
             }
             let images = self.processes.get(&pid);
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
-            event.stack_id = self.interner.intern(&self.ips, module_of, &mut self.out);
+            event.stack_id =
+                self.interner
+                    .intern(u64::from(pid), &self.ips, module_of, &mut self.out);
         }
         self.result.events += 1;
         self.out.push(Record::Event(event));
