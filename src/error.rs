@@ -1,5 +1,9 @@
 //! Errors a user can act on, one variant per cause, each with a message that
 //! says what happened and, where there is something to do, what to do.
+//!
+//! `main` prints an error with its chain of causes (`{:#}`: `message: cause:
+//! cause`), so a message never repeats its `source`: the system's words
+//! ("Not a directory (os error 20)") come once, at the end.
 
 use std::io;
 use std::path::PathBuf;
@@ -13,6 +17,8 @@ pub enum Error {
     // --- the program to run ---
     #[error("{0}: no such program (not a path, and not found in PATH)")]
     ProgramNotFound(String),
+    #[error("{}: no such file", .0.display())]
+    NoSuchFile(PathBuf),
     #[error("{}: not executable ({reason})", path.display())]
     NotExecutable { path: PathBuf, reason: String },
     #[error("{}: not an ELF executable (memptrace runs ELF programs and #! scripts)", .0.display())]
@@ -26,26 +32,38 @@ pub enum Error {
         path.display()
     )]
     NoAllocator { path: PathBuf, tried: String },
-    #[error("cannot execute {}: {source}", path.display())]
+    #[error("cannot execute {}", path.display())]
     Exec { path: PathBuf, source: io::Error },
+    #[error("cannot execute {}: its #! line names the interpreter {interpreter}", path.display())]
+    BadInterpreter {
+        path: PathBuf,
+        interpreter: String,
+        source: io::Error,
+    },
+
+    // --- the options ---
+    #[error("a --wrapper is not a regular expression")]
+    Wrapper(#[source] regex::Error),
 
     // --- the output ---
     #[error("{}: already exists; choose another file with -o, or replace it with --force", .0.display())]
     OutputExists(PathBuf),
-    #[error("cannot create {}: {source}", path.display())]
+    #[error("cannot create {}", path.display())]
     OutputUnwritable { path: PathBuf, source: io::Error },
+    #[error("cannot create the trace database {}", path.display())]
+    OutputDatabase { path: PathBuf, source: SinkError },
 
     // --- permission ---
     #[error(
-        "ptrace is not permitted here ({0}); run memptrace as root, or allow it (sysctl kernel.yama.ptrace_scope=0, or the CAP_SYS_PTRACE capability; in a container, a seccomp profile that allows ptrace)"
+        "ptrace is not permitted here (run memptrace as root, or allow it: sysctl kernel.yama.ptrace_scope=0, or the CAP_SYS_PTRACE capability; in a container, a seccomp profile that allows ptrace)"
     )]
-    PtraceDenied(io::Error),
+    PtraceDenied(#[source] io::Error),
 
     // --- the process to attach to ---
     #[error("no process {0} (it may have exited; see `ps`)")]
     NoSuchProcess(i32),
     #[error(
-        "process {pid} is already traced by process {tracer} ({name}): detach that debugger or tracer first ({source})"
+        "process {pid} is already traced by process {tracer} ({name}): detach that debugger or tracer first"
     )]
     AlreadyTraced {
         pid: i32,
@@ -54,7 +72,7 @@ pub enum Error {
         source: io::Error,
     },
     #[error(
-        "not permitted to trace process {pid} ({source}); run memptrace as its owner or as root, and check kernel.yama.ptrace_scope (1 allows tracing only your own children: set it to 0, or give memptrace the CAP_SYS_PTRACE capability)"
+        "not permitted to trace process {pid} (run memptrace as its owner or as root, and check kernel.yama.ptrace_scope: 1 allows tracing only your own children; set it to 0, or give memptrace the CAP_SYS_PTRACE capability)"
     )]
     AttachDenied { pid: i32, source: io::Error },
     #[error(
@@ -65,11 +83,11 @@ pub enum Error {
     AttachAbandoned { pid: i32, reason: String },
 
     // --- while tracing ---
-    #[error("{0}")]
+    #[error(transparent)]
     Trace(#[from] TraceError),
-    #[error("recording the trace failed: {0}")]
+    #[error("recording the trace failed")]
     Sink(#[from] SinkError),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] io::Error),
 
     // --- reading a trace ---
@@ -77,4 +95,92 @@ pub enum Error {
     Report(#[from] ReportError),
     #[error("--from ({from}) is after --to ({to}): give the window's start first")]
     EmptyWindow { from: String, to: String },
+}
+
+impl Error {
+    /// memptrace's exit status for this error: as a shell would have it for
+    /// a program that cannot be found (127) or cannot be run (126); 1 for
+    /// everything else.
+    pub fn exit_status(&self) -> u8 {
+        match self {
+            Error::ProgramNotFound(_) | Error::NoSuchFile(_) => 127,
+            Error::NotExecutable { .. } | Error::Exec { .. } | Error::BadInterpreter { .. } => 126,
+            _ => 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The text main prints: the message and its causes.
+    fn printed(err: Error) -> String {
+        format!("{:#}", anyhow::Error::new(err))
+    }
+
+    #[test]
+    fn causes_are_named_once() {
+        let enotdir = || io::Error::from_raw_os_error(libc::ENOTDIR);
+        let eperm = || io::Error::from_raw_os_error(libc::EPERM);
+        let cases = [
+            (
+                Error::OutputUnwritable {
+                    path: "/dev/null/trace.db".into(),
+                    source: enotdir(),
+                },
+                "cannot create /dev/null/trace.db: Not a directory (os error 20)",
+            ),
+            (
+                Error::Exec {
+                    path: "./prog".into(),
+                    source: eperm(),
+                },
+                "cannot execute ./prog: Operation not permitted (os error 1)",
+            ),
+            (
+                Error::Trace(TraceError::Ptrace(eperm())),
+                "a ptrace request failed: Operation not permitted (os error 1)",
+            ),
+            (Error::Io(enotdir()), "Not a directory (os error 20)"),
+        ];
+        for (err, text) in cases {
+            assert_eq!(printed(err), text);
+        }
+        for err in [
+            Error::PtraceDenied(eperm()),
+            Error::AttachDenied {
+                pid: 1,
+                source: eperm(),
+            },
+            Error::Trace(TraceError::Denied {
+                pid: 1,
+                source: eperm(),
+                tracer: None,
+            }),
+            Error::Sink(SinkError::Io(eperm())),
+            Error::OutputDatabase {
+                path: "t.db".into(),
+                source: SinkError::Io(eperm()),
+            },
+        ] {
+            let text = printed(err);
+            assert_eq!(text.matches("Operation not permitted").count(), 1, "{text}");
+        }
+    }
+
+    #[test]
+    fn exit_status_as_a_shell_would() {
+        assert_eq!(Error::NoSuchFile("./x".into()).exit_status(), 127);
+        assert_eq!(Error::ProgramNotFound("x".into()).exit_status(), 127);
+        assert_eq!(
+            Error::NotExecutable {
+                path: "x".into(),
+                reason: "no execute permission".into()
+            }
+            .exit_status(),
+            126
+        );
+        assert_eq!(Error::OutputExists("t.db".into()).exit_status(), 1);
+    }
 }

@@ -32,3 +32,4 @@ pub mod sink;
 pub mod symbols;
 pub mod tracer;
 pub mod unwind;
+pub mod wrappers;

@@ -1,15 +1,15 @@
 use std::process::ExitCode;
 
-use clap::Parser;
 use memptrace::cli::Cli;
 
 fn main() -> ExitCode {
-    let config = Cli::parse().into_config();
+    let config = Cli::config_from_args();
     match memptrace::session::run(config) {
         Ok(status) => ExitCode::from(status.clamp(0, 255) as u8),
         Err(err) => {
+            let status = err.exit_status();
             eprintln!("memptrace: {:#}", anyhow::Error::new(err));
-            ExitCode::from(1)
+            ExitCode::from(status)
         }
     }
 }

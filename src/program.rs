@@ -19,7 +19,7 @@ pub fn resolve(name: &OsStr) -> Result<PathBuf, Error> {
         return if path.exists() {
             Ok(path.to_path_buf())
         } else {
-            Err(Error::ProgramNotFound(path.display().to_string()))
+            Err(Error::NoSuchFile(path.to_path_buf()))
         };
     }
     let search = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
@@ -77,6 +77,18 @@ pub fn check_image(path: &Path, bytes: &[u8]) -> Result<(), Error> {
     Ok(())
 }
 
+/// The interpreter a `#!` script names (its first word), if `path` is one.
+pub fn interpreter(path: &Path) -> Option<String> {
+    let mut head = [0u8; 256];
+    let n = fs::File::open(path)
+        .and_then(|mut f| f.read(&mut head))
+        .ok()?;
+    let line = head[..n].strip_prefix(b"#!")?;
+    let line = line.split(|&b| b == b'\n').next()?;
+    let text = String::from_utf8_lossy(line);
+    text.split_whitespace().next().map(str::to_string)
+}
+
 fn elf_error(path: &Path, err: ElfError) -> Error {
     let path = path.to_path_buf();
     match err {
@@ -103,7 +115,11 @@ mod tests {
         ));
         assert!(matches!(
             resolve(OsStr::new("./no/such/file")),
-            Err(Error::ProgramNotFound(_))
+            Err(Error::NoSuchFile(_))
+        ));
+        assert!(matches!(
+            resolve(OsStr::new("/no/such/program")),
+            Err(Error::NoSuchFile(_))
         ));
     }
 
@@ -122,6 +138,11 @@ mod tests {
         assert!(matches!(check(&text), Err(Error::NotExecutable { .. })));
         fs::set_permissions(&text, fs::Permissions::from_mode(0o755)).unwrap();
         assert!(matches!(check(&text), Err(Error::NotElf(_))));
+        assert_eq!(interpreter(&text), None);
+        fs::write(&text, "#!/no/such/interpreter -x\necho hi\n").unwrap();
+        assert_eq!(interpreter(&text).as_deref(), Some("/no/such/interpreter"));
+        fs::write(&text, "#! /bin/sh").unwrap();
+        assert_eq!(interpreter(&text).as_deref(), Some("/bin/sh"));
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -24,6 +25,7 @@ use crate::tracer::{
 };
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
+use crate::wrappers::Wrappers;
 
 /// How often the tracer looks at its signals and flushes its records.
 const TICK: Duration = Duration::from_millis(100);
@@ -67,6 +69,7 @@ pub fn run(config: Config) -> Result<i32, Error> {
 }
 
 fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
+    let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     let program = program::resolve(&args[0])?;
     program::check(&program)?;
     let command = args
@@ -86,10 +89,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             return Err(if err.raw_os_error() == Some(libc::EPERM) {
                 Error::PtraceDenied(err)
             } else {
-                Error::Exec {
-                    path: program,
-                    source: err,
-                }
+                exec_error(program, err)
             });
         }
     };
@@ -107,18 +107,16 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             // The program never ran: no trace of it is worth keeping.
             drop(pipeline);
             recording.abandon(&config.output);
-            return Err(Error::Exec {
-                path: program,
-                source: err,
-            });
+            return Err(exec_error(program, err));
         }
     }
     let status = exit_status(&ending);
-    recording.finish(&ending, status, &stats, pipeline)?;
+    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
     Ok(status)
 }
 
 fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i32, Error> {
+    let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
     }
@@ -157,8 +155,21 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         Ending::Detached { .. } => 0,
         _ => exit_status(&ending),
     };
-    recording.finish(&ending, status, &stats, pipeline)?;
+    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
     Ok(status)
+}
+
+/// The program could not be executed: for a script whose interpreter
+/// cannot be run, say which interpreter.
+fn exec_error(path: std::path::PathBuf, source: std::io::Error) -> Error {
+    match program::interpreter(&path) {
+        Some(interpreter) => Error::BadInterpreter {
+            path,
+            interpreter,
+            source,
+        },
+        None => Error::Exec { path, source },
+    }
 }
 
 fn attach_error(err: TraceError) -> Error {
@@ -214,14 +225,16 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
     ];
     let written = meta
         .into_iter()
-        .try_for_each(|(key, value)| sink.write(&meta_record(key, value)))
+        .map(|(key, value)| meta_record(key, value))
+        .chain(numbered_rows("wrapper", &config.wrappers))
+        .try_for_each(|record| sink.write(&record))
         .and_then(|()| sink.commit());
-    if let Err(err) = written {
+    if let Err(source) = written {
         drop(sink);
         discard(&config.output);
-        return Err(Error::OutputUnwritable {
+        return Err(Error::OutputDatabase {
             path: config.output.clone(),
-            source: std::io::Error::other(err.to_string()),
+            source,
         });
     }
     Ok(sink)
@@ -234,6 +247,8 @@ struct Recording {
     records: RecordSender,
     clock: Instant,
     progress: Arc<Progress>,
+    /// Progress may be drawn: on a terminal the program does not write to.
+    draw: bool,
 }
 
 impl Recording {
@@ -246,6 +261,7 @@ impl Recording {
             records,
             clock: Instant::now(),
             progress: Arc::new(Progress::default()),
+            draw: terminal_free(pid),
         })
     }
 
@@ -262,7 +278,7 @@ impl Recording {
     /// Run the tracer to its end, with the progress line and memptrace's own
     /// signals live meanwhile.
     fn trace(&self, tracer: Tracer) -> Result<(Ending, TraceStats, PipelineHandle), Error> {
-        let line = ProgressLine::start(self.progress.clone());
+        let line = ProgressLine::start(self.progress.clone(), self.draw);
         signals::unblock_here(TICK)?;
         let traced = tracer.run();
         signals::quiesce();
@@ -285,9 +301,10 @@ impl Recording {
         status: i32,
         stats: &TraceStats,
         pipeline: PipelineHandle,
+        wrappers: &Wrappers,
     ) -> Result<(), Error> {
         let result = pipeline.finish()?;
-        symbolize(&result, &self.records)?;
+        symbolize(&result, &self.records, wrappers, self.draw)?;
         let mut end = vec![
             ("ended_at", rfc3339(SystemTime::now())),
             ("exit_status", status.to_string()),
@@ -314,13 +331,13 @@ impl Recording {
             .iter()
             .map(|(function, how)| (format!("probe.{function}"), how.clone()))
             .collect();
+        let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {
-            eprintln!(
-                "memptrace: warning: no allocator function found in any image; nothing was recorded"
-            );
-            end.push(("warning", "no allocator function found".to_string()));
+            warnings
+                .push("no allocator function found in any image; nothing was recorded".to_string());
         }
-        for warning in &stats.warnings {
+        warnings.extend(stats.warnings.iter().cloned());
+        for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }
         let rows = end
@@ -331,12 +348,30 @@ impl Recording {
                     .into_iter()
                     .map(|(k, v)| Record::Meta { key: k, value: v }),
             )
+            .chain(numbered_rows("warning", &warnings))
             .collect();
         self.records.send(rows)?;
         drop(self.records);
         self.recorder.finish()?;
         Ok(())
     }
+}
+
+/// True when memptrace's stderr is a terminal that neither the stdout nor
+/// the stderr of process `pid` writes to: progress drawn there cannot touch
+/// the program's output (see `progress`). A launched program inherits
+/// memptrace's stderr, so this is false for it whenever stderr is a terminal.
+fn terminal_free(pid: i32) -> bool {
+    use std::io::IsTerminal;
+    let ours = if std::io::stderr().is_terminal() {
+        procfs::terminal_of(std::process::id() as i32, 2)
+            .ok()
+            .flatten()
+    } else {
+        None
+    };
+    let program = [procfs::terminal_of(pid, 1), procfs::terminal_of(pid, 2)];
+    crate::progress::may_draw(ours, &program)
 }
 
 /// Create the database, refusing to mix a new trace into an existing file.
@@ -360,20 +395,29 @@ fn create_output(path: &Path, force: bool) -> Result<SqliteSink, Error> {
         }
     }
     // Create the file first: SQLite's own error for a missing directory or a
-    // read-only place is vaguer than the system's.
-    std::fs::OpenOptions::new()
+    // read-only place is vaguer than the system's. It is private (0600, the
+    // umask notwithstanding): it holds command lines and addresses of a
+    // process that may be another user's. SQLite gives the -wal, -shm and
+    // -journal files it creates beside it the database file's mode.
+    let private = |source| Error::OutputUnwritable {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .open(path)
-        .map_err(|source| Error::OutputUnwritable {
+        .map_err(private)?;
+    if let Err(err) = file.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+        let _ = std::fs::remove_file(path);
+        return Err(private(err));
+    }
+    SqliteSink::create(path).map_err(|source| {
+        let _ = std::fs::remove_file(path);
+        Error::OutputDatabase {
             path: path.to_path_buf(),
             source,
-        })?;
-    SqliteSink::create(path).map_err(|err| {
-        let _ = std::fs::remove_file(path);
-        Error::OutputUnwritable {
-            path: path.to_path_buf(),
-            source: std::io::Error::other(err.to_string()),
         }
     })
 }
@@ -388,8 +432,14 @@ fn discard(output: &Path) {
     }
 }
 
-/// Name every unique frame once: group by image, ask the symbolizer.
-fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Error> {
+/// Name every unique frame once: group by image, ask the symbolizer; and
+/// mark the frames that are part of the allocator (`frames.wrapper`).
+fn symbolize(
+    result: &PipelineResult,
+    records: &RecordSender,
+    wrappers: &Wrappers,
+    draw: bool,
+) -> Result<(), Error> {
     let mut by_module: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
     for frame in &result.frames {
         if let Some(module) = frame.module_id {
@@ -402,7 +452,7 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
     let mut symbolizer = Symbolizer::new();
     // A bar on a terminal: a program with large debug info takes seconds.
     let total: usize = by_module.values().map(Vec::len).sum();
-    let bar = crate::progress::bar(total as u64, "naming code addresses");
+    let bar = crate::progress::bar_if(draw, total as u64, "naming code addresses");
     for (module_id, frames) in by_module {
         let Some(module) = result.modules.get(&module_id) else {
             bar.inc(frames.len() as u64);
@@ -419,12 +469,22 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
             .collect();
         let path = module.path.trim_end_matches(" (deleted)");
         let names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
+        let file = crate::report::stacks::file_name(&module.path);
         let batch: Vec<Record> = frames
             .iter()
             .zip(names)
-            .filter(|(_, lines)| !lines.is_empty())
-            .map(|(&(frame_id, _), lines)| {
-                Record::Symbols(crate::sink::FrameSymbols { frame_id, lines })
+            .filter_map(|(&(frame_id, _), lines)| {
+                // The function whose machine code holds the call: the
+                // outermost line.
+                let function = lines.last().and_then(|l| l.function.as_deref());
+                let wrapper = wrappers.is_allocator_frame(Some(file), function);
+                (wrapper || !lines.is_empty()).then_some(Record::Symbols(
+                    crate::sink::FrameSymbols {
+                        frame_id,
+                        lines,
+                        wrapper,
+                    },
+                ))
             })
             .collect();
         records.send(batch)?;
@@ -432,6 +492,16 @@ fn symbolize(result: &PipelineResult, records: &RecordSender) -> Result<(), Erro
     }
     bar.finish_and_clear();
     Ok(())
+}
+
+/// Values of one kind as `meta` rows of their own, numbered in order:
+/// `warning.1`, `warning.2`, ... (`meta`'s key is its primary key).
+fn numbered_rows(kind: &str, values: &[String]) -> Vec<Record> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| meta_record(&format!("{kind}.{}", i + 1), v.clone()))
+        .collect()
 }
 
 fn meta_record(key: &str, value: String) -> Record {
@@ -518,6 +588,19 @@ mod tests {
         assert_eq!(rfc3339(SystemTime::UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
         let leap = SystemTime::UNIX_EPOCH + Duration::from_secs(951_782_400);
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn warnings_and_wrappers_are_numbered_meta_rows() {
+        let rows = numbered_rows("warning", &["first".to_string(), "second".to_string()]);
+        assert_eq!(
+            rows,
+            [
+                meta_record("warning.1", "first".into()),
+                meta_record("warning.2", "second".into())
+            ]
+        );
+        assert!(numbered_rows("warning", &[]).is_empty());
     }
 
     #[test]

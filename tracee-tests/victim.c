@@ -8,7 +8,8 @@
  * int3 left behind once no tracer is attached). It prints "ready PID" once running, runs until SIGTERM
  * or SIGINT (or 300 s), then prints its verdict and its truth (every call it
  * made) and exits 0 only if nothing was damaged. With `count-int`, SIGINT
- * is counted (and printed) instead of ending it.
+ * is counted instead of ending it: `interrupt N` is printed once the Nth
+ * has arrived, so a test can wait for it before sending the next.
  *
  * usage: victim [THREADS [count-int]]      (default 4 threads) */
 #define _GNU_SOURCE
@@ -169,8 +170,14 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_UNBLOCK, &term, NULL);
 
     printf("ready %d\n", (int)getpid());
-    for (int i = 0; i < 300000 && !stop; i++)
+    int reported = 0;
+    for (int i = 0; i < 300000 && !stop; i++) {
         usleep(1000);
+        if (interrupts != reported) {
+            reported = interrupts;
+            printf("interrupt %d\n", reported);
+        }
+    }
     stop = 1;
     for (int t = 0; t <= threads; t++)
         pthread_join(tids[t], NULL);

@@ -1,4 +1,4 @@
-//! /proc/PID files: memory maps, thread names, process status.
+//! /proc/PID files: memory maps, thread names, process status, open files.
 
 use std::fs;
 use std::io;
@@ -25,6 +25,22 @@ impl Mapping {
     /// True for a mapping of a regular file (not `[heap]`, `[vdso]`, anonymous...).
     pub fn is_file(&self) -> bool {
         self.inode != 0 && self.path.starts_with('/')
+    }
+}
+
+/// What file descriptor `fd` of process `pid` writes to, when it is a
+/// terminal (a character device): its device number (`st_rdev`), the same
+/// however the terminal was opened. `Ok(None)` for anything else, or a
+/// descriptor that is not open; an error when it cannot be looked at (the
+/// process is another user's).
+pub fn terminal_of(pid: Tid, fd: i32) -> io::Result<Option<u64>> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    // /proc/PID/fd/N is a link to the open file: metadata follows it.
+    match fs::metadata(format!("/proc/{pid}/fd/{fd}")) {
+        Ok(meta) if meta.file_type().is_char_device() => Ok(Some(meta.rdev())),
+        Ok(_) => Ok(None),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(err),
     }
 }
 

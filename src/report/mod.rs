@@ -27,6 +27,7 @@
 //! - **calls** of a stack: calls to the allocating functions (all but `free`).
 
 pub mod flame;
+pub mod listing;
 pub mod plot;
 pub mod pprof;
 mod run;
@@ -104,12 +105,16 @@ pub struct ReportOptions {
     pub top: usize,
     /// Frames printed per stack in text.
     pub frames: usize,
+    /// The user's allocator wrappers, beside the trace's ([`crate::wrappers`]).
+    pub wrappers: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FlamegraphOptions {
     pub output: PathBuf,
     pub metric: Metric,
+    /// The user's allocator wrappers, beside the trace's.
+    pub wrappers: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,6 +133,8 @@ pub struct ExportOptions {
     pub collapsed: Option<PathBuf>,
     /// What the folded stacks are weighed by.
     pub metric: Metric,
+    /// The user's allocator wrappers, beside the trace's.
+    pub wrappers: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,12 +159,12 @@ pub enum ReportError {
         path.display()
     )]
     Version { path: PathBuf, found: i64 },
-    #[error("{}: reading the trace failed: {source}", path.display())]
+    #[error("{}: reading the trace failed", path.display())]
     Query {
         path: PathBuf,
         source: rusqlite::Error,
     },
-    #[error("cannot write {}: {source}", path.display())]
+    #[error("cannot write {}", path.display())]
     Write {
         path: PathBuf,
         source: std::io::Error,
@@ -166,6 +173,8 @@ pub enum ReportError {
     OutputIsTrace(PathBuf),
     #[error("{}: {what}", path.display())]
     Output { path: PathBuf, what: String },
+    #[error("{}: a wrapper is not a regular expression", path.display())]
+    Wrapper { path: PathBuf, source: regex::Error },
     #[error("nothing to draw: {0}")]
     Empty(String),
     #[error("writing JSON failed: {0}")]
@@ -193,6 +202,32 @@ impl Trace {
             .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
             .optional()
             .map_err(|e| self.err(e))
+    }
+}
+
+impl Trace {
+    /// The warnings of the trace, in the order memptrace gave them: `meta`
+    /// rows `warning.1`, `warning.2`, ... (and `warning`, one row, in traces
+    /// of an earlier memptrace).
+    pub fn warnings(&self) -> Result<Vec<String>, ReportError> {
+        let mut all: Vec<String> = self.meta("warning")?.into_iter().collect();
+        all.extend(self.numbered_meta("warning")?);
+        Ok(all)
+    }
+
+    /// The values of `meta` rows `KIND.1`, `KIND.2`, ..., in that order.
+    pub fn numbered_meta(&self, kind: &str) -> Result<Vec<String>, ReportError> {
+        let mut stmt = self
+            .conn
+            .prepare(
+                "SELECT value FROM meta WHERE key GLOB ?1 || '.[0-9]*'
+                 ORDER BY CAST(substr(key, length(?1) + 2) AS INTEGER)",
+            )
+            .map_err(|e| self.err(e))?;
+        let rows = stmt
+            .query_map([kind], |r| r.get(0))
+            .map_err(|e| self.err(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.err(e))
     }
 }
 

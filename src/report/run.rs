@@ -30,7 +30,7 @@ fn command(trace: &Trace) -> Result<String, ReportError> {
 pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
     let analysis = Analysis::full(&trace)?;
-    let table = StackTable::load(&trace)?;
+    let table = StackTable::load(&trace, &options.wrappers)?;
     let summary = Summary::build(&trace, &analysis, &table, options.top)?;
     let out = match options.format {
         Format::Json => json(&summary)?,
@@ -52,7 +52,7 @@ pub fn run_flamegraph(path: &Path, options: &FlamegraphOptions) -> Result<(), Re
     if options.metric == super::Metric::Peak {
         analysis.add_peak(&trace)?;
     }
-    let table = StackTable::load(&trace)?;
+    let table = StackTable::load(&trace, &options.wrappers)?;
     let lines = flame::folded(&analysis, &table, options.metric);
     let title = format!(
         "memptrace: {} {} of {}",
@@ -89,7 +89,7 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
     if options.collapsed.is_some() && options.metric == super::Metric::Peak {
         analysis.add_peak(&trace)?;
     }
-    let table = StackTable::load(&trace)?;
+    let table = StackTable::load(&trace, &options.wrappers)?;
     if let Some(out) = &options.pprof {
         let profile = pprof::profile(&trace, &analysis, &table)?;
         let bytes = pprof::encode(&profile).map_err(|source| ReportError::Write {
@@ -108,7 +108,7 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
 /// `memptrace window`.
 pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
-    let table = StackTable::load(&trace)?;
+    let table = StackTable::load(&trace, &options.report.wrappers)?;
     let clamp = |ns: u64| ns.min(i64::MAX as u64) as i64;
     let report = window::analyse(
         &trace,

@@ -1,34 +1,27 @@
 //! The stack trie, frames and modules of a trace, loaded whole (they are
-//! small next to the events), and the rule that charges an allocation to a
-//! module.
+//! small next to the events); the allocator's wrappers along each stack;
+//! and the rule that charges an allocation to a module.
+//!
+//! # Call sites
+//!
+//! The *call site* of a stack is its first frame, innermost first, that is
+//! not part of the allocator ([`crate::wrappers`]: the allocator's library,
+//! `operator new`, `std::allocator` code, `__rust_alloc`..., and the user's
+//! `--wrapper` expressions, those given to the trace and those given to the
+//! report); the innermost frame when every frame is part of it. Its function
+//! is the *caller*. The `call_sites` table gives the same for SQL.
 //!
 //! # Which module an allocation is charged to
 //!
 //! "Who ate my memory", by component: each allocation is charged to the
-//! module of the first frame of its stack (innermost first) that is not part
-//! of the allocator. A frame is part of the allocator when
-//! - its module is the allocator's own library: a C library (`libc.so.6`,
-//!   `libc-2.*.so`, musl's `ld-musl-*.so.1` / `libc.musl-*.so.1`) or a
-//!   malloc replacement (`libjemalloc`, `libtcmalloc*`, `libmimalloc`),
-//!   recognised by file name, since a trace can be read where the program's
-//!   files are not; so `strdup`, `fopen` or `qsort` allocating for a caller
-//!   charge the caller; or
-//! - its function is an allocator entry point or wrapper: the hooked
-//!   functions and their glibc aliases (`__libc_malloc`, ...), C++
-//!   `operator new`/`operator delete`, Rust's `__rust_alloc` family and
-//!   `alloc::alloc::*`. This is the rule that matters in a static binary,
-//!   where the allocator lives in the executable itself.
-//!
-//! A frame outside every known image is charged as `[unknown]`. When every
-//! frame is part of the allocator (the C library allocating for itself),
-//! the allocation is charged to the module of its innermost frame. Events
-//! without a stack are `[no stack]`.
+//! module of its call site. A frame outside every known image is charged as
+//! `[unknown]`; events without a stack are `[no stack]`.
 
 use serde::Serialize;
 
 use super::scan::IdMap;
 use super::{ReportError, Trace};
-use crate::event::Op;
+use crate::wrappers::Wrappers;
 
 /// One source location of a frame (several when calls were inlined).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -44,6 +37,8 @@ pub struct Frame {
     pub module_id: Option<i64>,
     /// Innermost first; empty when nothing is known.
     pub lines: Vec<Line>,
+    /// Part of the allocator: the allocator's library, or a wrapper.
+    pub wrapper: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +80,13 @@ pub struct Location {
     /// `frame pointer` (on the frame's last line; see `stacks.trust`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub found_by: Option<String>,
+    /// Part of the allocator: a line of a frame that is (the allocator's
+    /// library, `operator new`, a `--wrapper`...), or an inlined wrapper
+    /// (`std::__new_allocator<T>::allocate`).
+    pub wrapper: bool,
+    /// The caller: the function of the stack's call site (one line of a
+    /// stack at most).
+    pub caller: bool,
 }
 
 /// Where an allocation is charged (see the module docs).
@@ -100,6 +102,8 @@ pub struct StackTable {
     nodes: IdMap<i64, (Option<i64>, i64)>,
     /// Stack nodes whose frame was found by a frame pointer.
     by_frame_pointer: std::collections::HashSet<i64>,
+    /// The built-in wrappers, the trace's and the report's.
+    wrappers: Wrappers,
     frames: IdMap<i64, Frame>,
     pub modules: IdMap<i64, Module>,
     owners: std::cell::RefCell<IdMap<i64, Owner>>,
@@ -121,8 +125,15 @@ pub struct Merged<T> {
 const MAX_WALK: usize = 1 << 16;
 
 impl StackTable {
-    pub fn load(trace: &Trace) -> Result<StackTable, ReportError> {
+    /// Load the trace's stacks, with the wrappers the trace was given
+    /// (`meta` rows `wrapper.N`) and `extra` ones.
+    pub fn load(trace: &Trace, extra: &[String]) -> Result<StackTable, ReportError> {
         let err = |e| trace.err(e);
+        let expressions = [trace.numbered_meta("wrapper")?, extra.to_vec()].concat();
+        let wrappers = Wrappers::new(&expressions).map_err(|source| ReportError::Wrapper {
+            path: trace.path.clone(),
+            source,
+        })?;
         let mut nodes = IdMap::default();
         let mut by_frame_pointer = std::collections::HashSet::new();
         // Traces older than `stacks.trust` have no such column.
@@ -159,6 +170,7 @@ impl StackTable {
                     ip: r.get::<_, i64>(1).map_err(err)? as u64,
                     module_id: r.get(2).map_err(err)?,
                     lines: if known { vec![line] } else { Vec::new() },
+                    wrapper: false,
                 },
             );
         }
@@ -206,9 +218,20 @@ impl StackTable {
                 },
             );
         }
+        // The function whose machine code holds the call is the outermost
+        // line's (an allocator helper inlined into the caller is the caller).
+        for frame in frames.values_mut() {
+            let module = frame
+                .module_id
+                .and_then(|m| modules.get(&m))
+                .map(Module::name);
+            let function = frame.lines.last().and_then(|l| l.function.as_deref());
+            frame.wrapper = wrappers.is_allocator_frame(module, function);
+        }
         let mut table = StackTable {
             nodes,
             by_frame_pointer,
+            wrappers,
             frames,
             modules,
             owners: Default::default(),
@@ -264,16 +287,27 @@ impl StackTable {
 
     /// The frame ids of a stack, innermost first.
     pub fn frame_ids(&self, stack: i64) -> Vec<i64> {
-        let mut ids = Vec::new();
+        self.walk(stack)
+            .into_iter()
+            .map(|(_, frame)| frame)
+            .collect()
+    }
+
+    /// The (node, frame) pairs of a stack, innermost first.
+    fn walk(&self, stack: i64) -> Vec<(i64, i64)> {
+        let mut out = Vec::new();
         let mut node = Some(stack);
-        while let Some((parent, frame)) = node.and_then(|n| self.nodes.get(&n)) {
-            ids.push(*frame);
+        while let Some(n) = node {
+            let Some((parent, frame)) = self.nodes.get(&n) else {
+                break;
+            };
+            out.push((n, *frame));
             node = *parent;
-            if ids.len() > MAX_WALK {
+            if out.len() > MAX_WALK {
                 break;
             }
         }
-        ids
+        out
     }
 
     pub fn frame(&self, id: i64) -> Option<&Frame> {
@@ -303,6 +337,8 @@ impl StackTable {
                 address: frame.ip,
                 inlined: false,
                 found_by: None,
+                wrapper: frame.wrapper,
+                caller: false,
             }];
         }
         let last = frame.lines.len() - 1;
@@ -321,64 +357,76 @@ impl StackTable {
                 address: frame.ip,
                 inlined: i < last,
                 found_by: None,
+                wrapper: frame.wrapper
+                    || l.function
+                        .as_deref()
+                        .is_some_and(|f| self.wrappers.is_wrapper(f)),
+                caller: false,
             })
             .collect()
     }
 
-    /// Every line of a stack, innermost first.
+    /// The index in `ids` (frame ids, innermost first) of the call site:
+    /// the first frame outside the allocator, or the innermost.
+    fn call_site(&self, ids: &[i64]) -> usize {
+        ids.iter()
+            .position(|id| self.frames.get(id).is_none_or(|f| !f.wrapper))
+            .unwrap_or(0)
+    }
+
+    /// Every line of a stack, innermost first, the caller marked.
     pub fn locations(&self, stack: Option<i64>) -> Vec<Location> {
         let Some(stack) = stack else {
             return Vec::new();
         };
+        let walk = self.walk(stack);
+        let ids: Vec<i64> = walk.iter().map(|&(_, frame)| frame).collect();
+        let site = self.call_site(&ids);
         let mut out = Vec::new();
-        let mut node = Some(stack);
-        while let Some((parent, frame)) = node.and_then(|n| self.nodes.get(&n)) {
-            if let Some(frame) = self.frames.get(frame) {
-                let mut lines = self.frame_locations(frame);
-                if self.by_frame_pointer.contains(&node.unwrap_or_default()) {
-                    if let Some(last) = lines.last_mut() {
-                        last.found_by = Some("frame pointer".to_string());
-                    }
+        for (i, (node, id)) in walk.iter().enumerate() {
+            let Some(frame) = self.frames.get(id) else {
+                continue;
+            };
+            let mut lines = self.frame_locations(frame);
+            if self.by_frame_pointer.contains(node) {
+                if let Some(last) = lines.last_mut() {
+                    last.found_by = Some("frame pointer".to_string());
                 }
-                out.extend(lines);
             }
-            node = *parent;
-            if out.len() > MAX_WALK {
-                break;
+            if i == site {
+                // The function whose code holds the call: the last line.
+                if let Some(last) = lines.last_mut() {
+                    last.caller = true;
+                }
             }
+            out.extend(lines);
         }
         out
     }
 
+    /// The caller of the allocator in `stack` (see the module docs), as a
+    /// line of it: `None` for calls without a stack.
+    pub fn caller(&self, stack: Option<i64>) -> Option<Location> {
+        self.locations(stack).into_iter().find(|l| l.caller)
+    }
+
     /// The function names along a stack, outermost first (inlined calls
-    /// included), as a flame graph draws them.
+    /// included), as a flame graph draws them: down to the call site, the
+    /// allocator's wrappers left out, so each leaf is named after code that
+    /// called the allocator (the whole stack when it is all allocator).
     pub fn flame_names(&self, stack: i64) -> Vec<String> {
-        let mut names: Vec<String> = self
-            .locations(Some(stack))
+        let locations = self.locations(Some(stack));
+        let first = locations.iter().position(|l| !l.wrapper).unwrap_or(0);
+        let mut names: Vec<String> = locations
             .into_iter()
+            .skip(first)
             .map(|l| l.function)
             .collect();
         names.reverse();
         names
     }
 
-    /// True when a frame is part of the allocator (see the module docs).
-    fn in_allocator(&self, frame: &Frame) -> bool {
-        let library = frame
-            .module_id
-            .and_then(|m| self.modules.get(&m))
-            .is_some_and(|m| is_allocator_library(m.name()));
-        // The function whose machine code holds the call: the outermost
-        // line (an allocator helper inlined into the caller is the caller).
-        library
-            || frame
-                .lines
-                .last()
-                .and_then(|l| l.function.as_deref())
-                .is_some_and(is_allocator_function)
-    }
-
-    /// The module an allocation from `stack` is charged to.
+    /// The module an allocation from `stack` is charged to: its call site's.
     pub fn owner(&self, stack: Option<i64>) -> Owner {
         let Some(stack) = stack else {
             return Owner::NoStack;
@@ -387,11 +435,9 @@ impl StackTable {
             return owner.clone();
         }
         let ids = self.frame_ids(stack);
-        let frames: Vec<&Frame> = ids.iter().filter_map(|id| self.frames.get(id)).collect();
-        let charged = frames
-            .iter()
-            .find(|f| !self.in_allocator(f))
-            .or(frames.first());
+        let charged = ids
+            .get(self.call_site(&ids))
+            .and_then(|id| self.frames.get(id));
         let owner = match charged.and_then(|f| f.module_id) {
             Some(module) => Owner::Module(module),
             None => Owner::Unknown,
@@ -418,98 +464,6 @@ impl StackTable {
         match owner {
             Owner::Module(id) => self.modules.get(id).map(|m| m.path.clone()),
             _ => None,
-        }
-    }
-}
-
-/// The C libraries and malloc replacements whose frames are the allocator's.
-pub fn is_allocator_library(file_name: &str) -> bool {
-    const PREFIXES: [&str; 8] = [
-        "libc.so",
-        "libc-2.",
-        "ld-musl-",
-        "libc.musl-",
-        "libjemalloc.so",
-        "libtcmalloc",
-        "libmimalloc.so",
-        "libmimalloc-",
-    ];
-    PREFIXES.iter().any(|p| file_name.starts_with(p))
-}
-
-/// Allocator entry points and wrappers: frames that allocate on behalf of
-/// their caller.
-pub fn is_allocator_function(name: &str) -> bool {
-    const NAMES: [&str; 16] = [
-        "__libc_malloc",
-        "__libc_calloc",
-        "__libc_realloc",
-        "__libc_free",
-        "__libc_memalign",
-        "__libc_valloc",
-        "__libc_pvalloc",
-        "__libc_reallocarray",
-        "__posix_memalign",
-        "_int_malloc",
-        "_int_realloc",
-        "_int_memalign",
-        "_mid_memalign",
-        "__rust_alloc",
-        "__rust_alloc_zeroed",
-        "__rust_realloc",
-    ];
-    const PREFIXES: [&str; 5] = [
-        "operator new",
-        "operator delete",
-        "__rdl_",
-        "__rg_",
-        "alloc::alloc::",
-    ];
-    Op::from_name(name).is_some()
-        || NAMES.contains(&name)
-        || PREFIXES.iter().any(|p| name.starts_with(p))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allocator_libraries_by_name() {
-        for lib in [
-            "libc.so.6",
-            "libc-2.31.so",
-            "ld-musl-x86_64.so.1",
-            "libjemalloc.so.2",
-            "libtcmalloc_minimal.so.4",
-        ] {
-            assert!(is_allocator_library(lib), "{lib}");
-        }
-        for other in [
-            "libcrypto.so.3",
-            "ld-linux-x86-64.so.2",
-            "sqlite3",
-            "libstdc++.so.6",
-        ] {
-            assert!(!is_allocator_library(other), "{other}");
-        }
-    }
-
-    #[test]
-    fn allocator_functions_by_name() {
-        for f in [
-            "malloc",
-            "posix_memalign",
-            "__libc_malloc",
-            "operator new(unsigned long)",
-            "operator new[](unsigned long, std::nothrow_t const&)",
-            "__rust_alloc",
-            "alloc::alloc::exchange_malloc",
-        ] {
-            assert!(is_allocator_function(f), "{f}");
-        }
-        for other in ["strdup", "main", "malloc_consolidate_user", "new_node"] {
-            assert!(!is_allocator_function(other), "{other}");
         }
     }
 }

@@ -17,6 +17,9 @@ pub struct Summary {
     pub functions: Vec<FunctionRow>,
     pub heap: HeapTotals,
     pub top: Rankings,
+    /// Every function that called the allocator (a call site's function),
+    /// most bytes first.
+    pub callers: Vec<CallerRow>,
     pub threads: Vec<ThreadRow>,
     pub modules: Vec<ModuleRow>,
 }
@@ -35,6 +38,8 @@ pub struct TraceInfo {
     pub events: u64,
     pub processes: u64,
     pub threads: u64,
+    /// What memptrace warned about while tracing (`meta` rows `warning.N`).
+    pub warnings: Vec<String>,
 }
 
 impl TraceInfo {
@@ -57,6 +62,7 @@ impl TraceInfo {
             events: 0,
             processes: count("SELECT count(DISTINCT pid) FROM event_threads")?,
             threads: count("SELECT count(*) FROM event_threads")?,
+            warnings: trace.warnings()?,
         })
     }
 }
@@ -122,6 +128,19 @@ pub struct ThreadRow {
     pub name: Option<String>,
     #[serde(flatten)]
     pub totals: ThreadStats,
+}
+
+/// What one function allocated through the allocator: the stacks whose
+/// caller it is (their call site's function, see [`super::stacks`]) added
+/// up. Functions of the same name in several modules are one row each.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CallerRow {
+    /// The function, `module+0xoffset` when it has no name, or `[no stack]`.
+    pub function: String,
+    /// Its module's file name.
+    pub module: Option<String>,
+    #[serde(flatten)]
+    pub totals: StackStats,
 }
 
 /// What the allocations charged to one module add up to (see
@@ -218,6 +237,7 @@ impl Summary {
             functions,
             heap,
             top: rankings,
+            callers: callers(analysis, table),
             threads: threads(trace, analysis)?,
             modules: modules(analysis, table),
         })
@@ -257,6 +277,47 @@ fn threads(trace: &Trace, analysis: &Analysis) -> Result<Vec<ThreadRow>, ReportE
     Ok(out)
 }
 
+fn callers(analysis: &Analysis, table: &StackTable) -> Vec<CallerRow> {
+    let mut by_name: HashMap<(String, Option<String>), CallerRow> = HashMap::new();
+    for (stack, s) in &analysis.stacks {
+        let (function, module) = match table.caller(*stack) {
+            Some(l) => (l.function, l.module),
+            None => ("[no stack]".to_string(), None),
+        };
+        by_name
+            .entry((function.clone(), module.clone()))
+            .or_insert_with(|| CallerRow {
+                function,
+                module,
+                ..CallerRow::default()
+            })
+            .totals
+            .add(*s);
+    }
+    largest_first(
+        by_name.into_values(),
+        |c| &c.totals,
+        |c| (c.function.clone(), c.module.clone()),
+    )
+}
+
+/// The rows that allocated, most bytes first, then most calls, then by
+/// `key`: the same trace always gives the same order.
+fn largest_first<T, K: Ord>(
+    rows: impl Iterator<Item = T>,
+    totals: impl Fn(&T) -> &StackStats,
+    key: impl Fn(&T) -> K,
+) -> Vec<T> {
+    let mut rows: Vec<T> = rows.filter(|r| totals(r).calls > 0).collect();
+    rows.sort_by(|a, b| {
+        let (ta, tb) = (totals(a), totals(b));
+        (tb.bytes, tb.calls)
+            .cmp(&(ta.bytes, ta.calls))
+            .then(key(a).cmp(&key(b)))
+    });
+    rows
+}
+
 fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {
     let mut by_name: HashMap<String, ModuleRow> = HashMap::new();
     for (stack, s) in &analysis.stacks {
@@ -269,14 +330,5 @@ fn modules(analysis: &Analysis, table: &StackTable) -> Vec<ModuleRow> {
         });
         row.totals.add(*s);
     }
-    let mut rows: Vec<ModuleRow> = by_name
-        .into_values()
-        .filter(|m| m.totals.calls > 0)
-        .collect();
-    rows.sort_by(|a, b| {
-        (b.totals.bytes, b.totals.calls)
-            .cmp(&(a.totals.bytes, a.totals.calls))
-            .then(a.module.cmp(&b.module))
-    });
-    rows
+    largest_first(by_name.into_values(), |m| &m.totals, |m| m.module.clone())
 }

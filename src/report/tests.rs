@@ -85,6 +85,7 @@ fn symbols(frame_id: u64, lines: &[(&str, u32)]) -> Record {
                 line: Some(*l),
             })
             .collect(),
+        wrapper: false,
     })
 }
 
@@ -291,7 +292,7 @@ fn the_views_agree_with_the_report() {
 fn allocations_are_charged_to_the_first_frame_outside_the_allocator() {
     let dir = TempDir::new("owners");
     let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     // strdup in libc and operator new in libstdc++ allocate for main.
     assert_eq!(table.owner(Some(12)), Owner::Module(1));
     assert_eq!(table.owner(Some(14)), Owner::Module(1));
@@ -306,6 +307,63 @@ fn allocations_are_charged_to_the_first_frame_outside_the_allocator() {
     assert_eq!(functions, ["make_node", "push_back", "main"]);
     assert!(names[0].inlined && !names[1].inlined);
     assert_eq!(table.locations(Some(18))[0].function, "app+0x2345");
+
+    // The call site: the first frame outside the allocator, its function
+    // the caller; the innermost when all of a stack is the allocator's.
+    let flags = |stack| -> Vec<(String, bool, bool)> {
+        table
+            .locations(Some(stack))
+            .into_iter()
+            .map(|l| (l.function, l.wrapper, l.caller))
+            .collect()
+    };
+    let line = |f: &str, wrapper, caller| (f.to_string(), wrapper, caller);
+    assert_eq!(
+        flags(14),
+        [
+            line("operator new(unsigned long)", true, false),
+            line("Widget::Widget()", false, true),
+            line("main", false, false)
+        ]
+    );
+    assert_eq!(
+        flags(16),
+        [
+            line("_IO_file_doallocate", true, true),
+            line("puts", true, false)
+        ]
+    );
+    assert_eq!(table.caller(Some(12)).unwrap().function, "main");
+    assert_eq!(table.caller(Some(11)).unwrap().function, "push_back");
+    assert_eq!(table.caller(None), None);
+}
+
+/// Wrappers given to the report (and to the trace, in `meta`) make their
+/// callers the call sites.
+#[test]
+fn wrappers_given_to_the_report_and_the_trace() {
+    let dir = TempDir::new("user-wrappers");
+    let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
+    let table = StackTable::load(&trace, &["^Widget::".to_string()]).unwrap();
+    assert_eq!(table.caller(Some(14)).unwrap().function, "main");
+    // An inlined line by a wrapper's name is the allocator's, not its frame.
+    let table = StackTable::load(&trace, &["^make_node$".to_string()]).unwrap();
+    let s11 = table.locations(Some(11));
+    assert!(s11[0].wrapper && !s11[1].wrapper && s11[1].caller);
+
+    let mut records = scenario();
+    records.push(Record::Meta {
+        key: "wrapper.1".into(),
+        value: "^push_back$".into(),
+    });
+    let dir = TempDir::new("trace-wrappers");
+    let trace = open(&write_trace(&dir, &records, true)).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
+    assert_eq!(table.caller(Some(11)).unwrap().function, "main");
+    assert!(matches!(
+        StackTable::load(&trace, &["(".to_string()]),
+        Err(ReportError::Wrapper { .. })
+    ));
 }
 
 #[test]
@@ -313,7 +371,7 @@ fn summary_text_and_json() {
     let dir = TempDir::new("summary");
     let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
     let a = Analysis::full(&trace).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     let s = Summary::build(&trace, &a, &table, 2).unwrap();
     assert!(s.trace.finished);
     assert_eq!(s.trace.threads, 2);
@@ -335,6 +393,22 @@ fn summary_text_and_json() {
         .collect();
     assert_eq!(threads, [(100, Some("app")), (101, Some("worker"))]);
 
+    let callers: Vec<(&str, u64)> = s
+        .callers
+        .iter()
+        .map(|c| (c.function.as_str(), c.totals.bytes))
+        .collect();
+    assert_eq!(
+        callers,
+        [
+            ("_IO_file_doallocate", 4096),
+            ("Widget::Widget()", 3000),
+            ("push_back", 224),
+            ("main", 100),
+            ("app+0x2345", 10)
+        ]
+    );
+
     let out = text::render(&s, text::Style { color: false }, 3, 2);
     for line in [
         "  program    ./app --test",
@@ -344,6 +418,10 @@ fn summary_text_and_json() {
         "  malloc        8       1          7.1 KiB",
         "   1. 4.0 KiB in 1 block  [libc.so.6]",
         "       make_node (app.c:12) [inlined]",
+        "       via operator new(unsigned long)",
+        "       Widget::Widget() (app.c:30)",
+        "  _IO_file_doallocate      1    4.0 KiB  4.0 KiB  4.0 KiB          0",
+        "  ... and 3 more callers",
     ] {
         assert!(out.lines().any(|l| l == line), "{line:?} not in\n{out}");
     }
@@ -355,6 +433,10 @@ fn summary_text_and_json() {
         json["top"]["leaked"][0]["frames"][0]["function"],
         "_IO_file_doallocate"
     );
+    assert_eq!(json["callers"][1]["function"], "Widget::Widget()");
+    assert_eq!(json["callers"][1]["module"], "app");
+    assert_eq!(json["top"]["leaked"][1]["frames"][0]["wrapper"], true);
+    assert_eq!(json["top"]["leaked"][1]["frames"][1]["caller"], true);
 }
 
 #[test]
@@ -362,13 +444,15 @@ fn folded_stacks_and_flame_graph() {
     let dir = TempDir::new("flame");
     let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
     let a = Analysis::full(&trace).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     let lines = flame::folded(&a, &table, Metric::Allocated);
+    // Leaves are named after the code that called the allocator: strdup
+    // (libc) and operator new are left out; a stack that is all libc stays.
     let expected = [
-        ("main;Widget::Widget();operator new(unsigned long)", 3000),
+        ("main", 100),
+        ("main;Widget::Widget()", 3000),
         ("main;app+0x2345", 10),
         ("main;push_back;make_node", 224),
-        ("main;strdup", 100),
         ("puts;_IO_file_doallocate", 4096),
     ];
     let lines: Vec<(&str, u64)> = lines.iter().map(|(s, v)| (s.as_str(), *v)).collect();
@@ -385,10 +469,8 @@ fn folded_stacks_and_flame_graph() {
     )
     .unwrap();
     let svg = String::from_utf8(svg).unwrap();
-    assert!(
-        svg.contains("operator new(unsigned long) (2,000 bytes"),
-        "{svg}"
-    );
+    assert!(svg.contains("Widget::Widget() (2,000 bytes"), "{svg}");
+    assert!(!svg.contains("operator new"), "{svg}");
     assert!(matches!(
         flame::svg(&[], Metric::Leaked, "t"),
         Err(ReportError::Empty(_))
@@ -401,7 +483,7 @@ fn pprof_profile_has_the_four_heap_sample_types() {
     let dir = TempDir::new("pprof");
     let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
     let a = Analysis::full(&trace).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     let profile = pprof::profile(&trace, &a, &table).unwrap();
     let gz = pprof::encode(&profile).unwrap();
     let mut raw = Vec::new();
@@ -443,7 +525,7 @@ fn pprof_profile_has_the_four_heap_sample_types() {
 fn window_classes() {
     let dir = TempDir::new("window");
     let trace = open(&write_trace(&dir, &scenario(), true)).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     let w = window::analyse(&trace, &table, 4500, 10_500, 10).unwrap();
     let classes: Vec<(&str, u64, u64)> = w
         .classes
@@ -504,7 +586,7 @@ fn stacks_that_read_the_same_are_one_row() {
     let dir = TempDir::new("merge");
     let trace = open(&write_trace(&dir, &records, true)).unwrap();
     let a = Analysis::full(&trace).unwrap();
-    let table = StackTable::load(&trace).unwrap();
+    let table = StackTable::load(&trace, &[]).unwrap();
     let s = Summary::build(&trace, &a, &table, 10).unwrap();
     assert_eq!(s.top.calls[0].stack_ids, [11, 20]);
     assert_eq!(

@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use std::io::IsTerminal;
 
 use super::Color;
-use super::stacks::{Location, file_name};
+use super::listing::stack_lines;
+use super::scan::StackStats;
 use super::summary::{StackRow, Summary};
 
 /// ANSI styles, or none.
@@ -44,6 +45,11 @@ impl Style {
     /// The number a ranking is by.
     pub fn value(&self, text: &str) -> String {
         self.paint("1;33", text)
+    }
+
+    /// Something memptrace warned about.
+    pub fn warning(&self, text: &str) -> String {
+        self.paint("1;31", text)
     }
 
     pub fn dim(&self, text: &str) -> String {
@@ -154,54 +160,23 @@ impl Table {
     }
 }
 
+/// `text` cut to `max` characters, `...` marking the cut (long C++ names in
+/// a table; the JSON has them whole).
+pub fn shortened(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut cut: String = text.chars().take(max.saturating_sub(3)).collect();
+    cut.push_str("...");
+    cut
+}
+
 /// A module name in brackets; `[unknown]` and `[no stack]` already are.
 pub fn bracketed(module: &str) -> String {
     if module.starts_with('[') {
         module.to_string()
     } else {
         format!("[{module}]")
-    }
-}
-
-/// One line of a stack: `function (file:line)`, the file without its
-/// directories (the JSON output has the whole path).
-pub fn location(style: Style, l: &Location) -> String {
-    let place = match (&l.file, l.line) {
-        (Some(file), Some(line)) => format!(" ({}:{line})", file_name(file)),
-        (Some(file), None) => format!(" ({})", file_name(file)),
-        _ => String::new(),
-    };
-    let inlined = if l.inlined { " [inlined]" } else { "" };
-    let found_by = match &l.found_by {
-        Some(how) => format!(" [found by {how}]"),
-        None => String::new(),
-    };
-    format!(
-        "{}{}",
-        l.function,
-        style.dim(&format!("{place}{inlined}{found_by}"))
-    )
-}
-
-/// The frames of a stack, indented, at most `frames` of them.
-pub fn stack_lines(style: Style, locations: &[Location], frames: usize, out: &mut String) {
-    if locations.is_empty() {
-        let _ = writeln!(out, "       {}", style.dim("(no stack recorded)"));
-        return;
-    }
-    for l in locations.iter().take(frames) {
-        let _ = writeln!(out, "       {}", location(style, l));
-    }
-    if locations.len() > frames {
-        let more = locations.len() - frames;
-        let _ = writeln!(
-            out,
-            "       {}",
-            style.dim(&format!(
-                "... {more} more frame{}",
-                if more == 1 { "" } else { "s" }
-            ))
-        );
     }
 }
 
@@ -228,6 +203,47 @@ fn ranking(
         );
         stack_lines(style, &row.frames, frames, out);
     }
+}
+
+/// A table of totals under a heading, one row per name: calls, bytes
+/// allocated, at the peak and leaked, temporary blocks; the first `top`
+/// rows, and how many more there are. `names` is the first column's title
+/// and the rows' plural.
+fn totals_table(
+    style: Style,
+    heading: &str,
+    names: (&str, &str),
+    rows: impl ExactSizeIterator<Item = (String, [u64; 5])>,
+    top: usize,
+    out: &mut String,
+) {
+    let _ = writeln!(out, "\n{}", style.heading(heading));
+    let total = rows.len();
+    let mut table = Table::new(&[
+        names.0,
+        "calls",
+        "allocated",
+        "at peak",
+        "leaked",
+        "temporary",
+    ]);
+    for (name, [calls, allocated, peak, leaked, temporary]) in rows.take(top) {
+        table.row(vec![
+            name,
+            count(calls),
+            bytes(allocated),
+            bytes(peak),
+            bytes(leaked),
+            count(temporary),
+        ]);
+    }
+    table.render(style, out);
+    more(style, total, top, names.1, out);
+}
+
+/// The columns of [`totals_table`] for the totals of some stacks.
+fn columns(t: &StackStats) -> [u64; 5] {
+    [t.calls, t.bytes, t.peak_bytes, t.leaked_bytes, t.temporary]
 }
 
 /// `Top 5 stacks`, `Top stack`.
@@ -273,6 +289,9 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     }
     if !traced.is_empty() {
         let _ = writeln!(out, "  traced     {}", traced.join(", "));
+    }
+    for warning in &t.warnings {
+        let _ = writeln!(out, "  {}    {warning}", style.warning("warning"));
     }
     let _ = writeln!(
         out,
@@ -340,6 +359,18 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     ]);
     table.render(style, &mut out);
 
+    totals_table(
+        style,
+        "Callers (the first frame outside the allocator and its wrappers)",
+        ("function", "callers"),
+        summary
+            .callers
+            .iter()
+            .map(|c| (shortened(&c.function, 60), columns(&c.totals))),
+        top,
+        &mut out,
+    );
+
     let r = &summary.top;
     ranking(
         style,
@@ -398,54 +429,30 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         &mut out,
     );
 
-    let _ = writeln!(out, "\n{}", style.heading("Threads"));
-    let mut table = Table::new(&[
-        "thread",
-        "calls",
-        "allocated",
-        "at peak",
-        "leaked",
-        "temporary",
-    ]);
-    for th in summary.threads.iter().take(top) {
-        let name = th.name.as_deref().unwrap_or("");
-        table.row(vec![
-            format!("{} {name}", th.tid),
-            count(th.totals.calls),
-            bytes(th.totals.bytes),
-            bytes(th.totals.peak_bytes),
-            bytes(th.totals.leaked_bytes),
-            count(th.totals.temporary),
-        ]);
-    }
-    table.render(style, &mut out);
-    more(style, summary.threads.len(), top, "threads", &mut out);
-
-    let _ = writeln!(
-        out,
-        "\n{}",
-        style.heading("Modules (each allocation charged to its first frame outside the allocator)")
+    totals_table(
+        style,
+        "Threads",
+        ("thread", "threads"),
+        summary.threads.iter().map(|th| {
+            let t = &th.totals;
+            let name = th.name.as_deref().unwrap_or("");
+            let totals = [t.calls, t.bytes, t.peak_bytes, t.leaked_bytes, t.temporary];
+            (format!("{} {name}", th.tid), totals)
+        }),
+        top,
+        &mut out,
     );
-    let mut table = Table::new(&[
-        "module",
-        "calls",
-        "allocated",
-        "at peak",
-        "leaked",
-        "temporary",
-    ]);
-    for m in summary.modules.iter().take(top) {
-        table.row(vec![
-            m.module.clone(),
-            count(m.totals.calls),
-            bytes(m.totals.bytes),
-            bytes(m.totals.peak_bytes),
-            bytes(m.totals.leaked_bytes),
-            count(m.totals.temporary),
-        ]);
-    }
-    table.render(style, &mut out);
-    more(style, summary.modules.len(), top, "modules", &mut out);
+    totals_table(
+        style,
+        "Modules (each allocation charged to its first frame outside the allocator)",
+        ("module", "modules"),
+        summary
+            .modules
+            .iter()
+            .map(|m| (m.module.clone(), columns(&m.totals))),
+        top,
+        &mut out,
+    );
     out
 }
 
@@ -467,6 +474,8 @@ mod tests {
         assert_eq!(seconds(1_234_567_890), "1.235 s");
         assert_eq!(percent(1, 8), "12.5 %");
         assert_eq!(percent(1, 0), "");
+        assert_eq!(shortened("main", 10), "main");
+        assert_eq!(shortened("a_long_function_name", 10), "a_long_...");
     }
 
     #[test]

@@ -18,9 +18,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use super::listing::stack_lines;
 use super::scan::{IdMap, for_each_event};
 use super::stacks::{Location, StackTable};
-use super::text::{Style, Table, bracketed, bytes, count, counted, seconds, stack_lines};
+use super::text::{Style, Table, bracketed, bytes, count, counted, seconds};
 use super::{ReportError, Trace};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

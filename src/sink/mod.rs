@@ -99,6 +99,10 @@ pub struct SourceLine {
 pub struct FrameSymbols {
     pub frame_id: u64,
     pub lines: Vec<SourceLine>,
+    /// The frame is part of the allocator: its module is the allocator's
+    /// library, or its function one of the allocator's wrappers
+    /// ([`crate::wrappers`]).
+    pub wrapper: bool,
 }
 
 /// Everything a sink stores, in the order it must be stored: a module, frame or
@@ -136,9 +140,9 @@ pub trait EventSink: Send {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    #[error("database error: {0}")]
+    #[error("database error")]
     Sqlite(#[from] rusqlite::Error),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("the recorder thread stopped: {0}")]
     Stopped(String),

@@ -232,8 +232,57 @@ fn load_dwarf(file: &Path, alt: Option<&AltLink>, roots: &[PathBuf]) -> Option<L
 /// A C++ or Rust name as a programmer writes it (Rust's legacy `::h0123…`
 /// hash dropped); any other name as it is. `language` is the compilation
 /// unit's, when DWARF says; a name it cannot demangle is tried by its prefix.
+/// A C++ name the demangler cannot read whole is named without its return
+/// type and parameters (`cpp_name_only`) rather than left mangled.
 pub fn demangle(name: &str, language: Option<DwLang>) -> String {
-    language
+    let text = language
         .and_then(|language| addr2line::demangle(name, language))
-        .unwrap_or_else(|| addr2line::demangle_auto(Cow::Borrowed(name), None).into_owned())
+        .unwrap_or_else(|| addr2line::demangle_auto(Cow::Borrowed(name), None).into_owned());
+    if text == name && name.starts_with("_Z") {
+        if let Some(text) = cpp_name_only(name) {
+            return text;
+        }
+    }
+    text
+}
+
+/// Cut points tried by [`cpp_name_only`], at most: the work stays linear in
+/// practice however long a name a template library makes.
+const MAX_CUTS: usize = 64;
+
+/// The name of a mangled C++ function that cpp_demangle cannot parse whole.
+/// It fails on some of GCC's manglings (an `sr` scope in a template argument
+/// of a SFINAE return type, as in `std::make_shared<T>`'s
+/// `_ZSt11make_sharedI...EESt10shared_ptrINSt9enable_ifIXntsrSt8is_array...`;
+/// gimli-rs/cpp_demangle#302), and on names nested deeper than its default
+/// recursion limit. First the whole name with a higher limit; then the
+/// function's name alone: a function's name ends with an `E` (of its nested
+/// name or template arguments), so each prefix up to an `E`, longest first,
+/// is completed with a `void` signature and parsed, and printed without
+/// return type and parameters. The name part is parsed the same whatever
+/// follows it, so any prefix that parses gives the same name.
+fn cpp_name_only(mangled: &str) -> Option<String> {
+    use cpp_demangle::{DemangleOptions, ParseOptions, Symbol};
+    let deep = ParseOptions::default().recursion_limit(1024);
+    if let Ok(text) = Symbol::new_with_options(mangled, &deep).map(|s| s.demangle()) {
+        return text.ok();
+    }
+    let name_only = DemangleOptions::new().no_params().no_return_type();
+    let cuts = mangled
+        .char_indices()
+        .rev()
+        .filter(|&(_, c)| c == 'E')
+        .take(MAX_CUTS);
+    for (at, _) in cuts {
+        // A template function's signature has a return type: `vv`.
+        for signature in ["v", "vv"] {
+            let candidate = format!("{}{signature}", &mangled[..=at]);
+            if let Ok(Ok(text)) = Symbol::new_with_options(candidate.as_str(), &deep)
+                .map(|s| s.demangle_with_options(&name_only))
+            {
+                return Some(text);
+            }
+        }
+    }
+    None
 }

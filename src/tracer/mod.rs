@@ -136,7 +136,7 @@ pub struct TraceStats {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("ptrace: {0}")]
+    #[error("a ptrace request failed")]
     Ptrace(#[from] io::Error),
     #[error(transparent)]
     Sink(#[from] SinkError),
@@ -144,7 +144,7 @@ pub enum TraceError {
     NoSuchProcess(Tid),
     #[error("{tid} is a thread of process {pid}: attach to the process")]
     NotAProcess { tid: Tid, pid: Tid },
-    #[error("not permitted to trace process {pid}: {source}")]
+    #[error("not permitted to trace process {pid}")]
     Denied {
         pid: Tid,
         source: io::Error,

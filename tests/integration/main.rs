@@ -11,6 +11,7 @@
 mod api;
 mod attach;
 mod bad_input;
+mod cli;
 mod docs;
 mod faults;
 mod processes;
@@ -20,3 +21,5 @@ mod sampling;
 mod stacks;
 mod stripped;
 mod support;
+mod terminal;
+mod wrappers;

@@ -33,9 +33,9 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 12] = [
+const TRACEES: [&str; 13] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
-    "shrink", "ticker",
+    "shrink", "ticker", "wrappers",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
@@ -325,11 +325,6 @@ pub fn spawn(cmd: &mut Command, input: &[u8]) -> Running {
 }
 
 impl Running {
-    /// True while the command runs.
-    pub fn running(&mut self) -> bool {
-        self.child.0.try_wait().unwrap().is_none()
-    }
-
     /// Wait for the end, within the time limit.
     pub fn finish(mut self) -> Run {
         let deadline = Instant::now() + TIME_LIMIT;
@@ -364,15 +359,26 @@ pub struct Background {
     lines: std::sync::mpsc::Receiver<String>,
     stdout: Vec<String>,
     stderr: std::thread::JoinHandle<Vec<u8>>,
+    /// Its stdin, when started with [`Background::interactive`].
+    stdin: Option<std::process::ChildStdin>,
 }
 
 impl Background {
     /// Start `cmd` with stdout and stderr piped, stdin empty.
     pub fn start(cmd: &mut Command) -> Background {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        Background::with_stdin(cmd.stdin(Stdio::null()))
+    }
+
+    /// Start `cmd` with stdin, stdout and stderr piped: the test writes the
+    /// program's input as it goes ([`Background::send`]).
+    pub fn interactive(cmd: &mut Command) -> Background {
+        Background::with_stdin(cmd.stdin(Stdio::piped()))
+    }
+
+    fn with_stdin(cmd: &mut Command) -> Background {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         let mut child = Child(cmd.spawn().unwrap_or_else(|e| panic!("{cmd:?}: {e}")));
+        let stdin = child.0.stdin.take();
         let stdout = child.0.stdout.take().unwrap();
         let mut stderr = child.0.stderr.take().unwrap();
         let (tx, lines) = std::sync::mpsc::channel();
@@ -395,7 +401,24 @@ impl Background {
             lines,
             stdout: Vec::new(),
             stderr,
+            stdin,
         }
+    }
+
+    /// Write `text` to the program's stdin.
+    pub fn send(&mut self, text: &str) {
+        use std::io::Write;
+        let stdin = self
+            .stdin
+            .as_mut()
+            .expect("started with Background::interactive");
+        stdin.write_all(text.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// Close the program's stdin: it reads end of file.
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
     }
 
     pub fn pid(&self) -> i32 {
@@ -425,6 +448,7 @@ impl Background {
 
     /// Wait for the process to end (within the time limit).
     pub fn finish(mut self) -> Run {
+        self.stdin = None;
         let deadline = Instant::now() + TIME_LIMIT;
         let status = loop {
             if let Some(status) = self.child.0.try_wait().unwrap() {
@@ -489,6 +513,16 @@ pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting until {what}");
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// The number of events committed to a trace that may still be being
+/// written, or None while it cannot be read.
+pub fn count_events(path: &Path) -> Option<i64> {
+    let conn =
+        Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
+    conn.busy_timeout(Duration::from_secs(2)).ok()?;
+    conn.query_row("SELECT count(*) FROM events", [], |r| r.get(0))
+        .ok()
 }
 
 /// Parse `truth` lines from a tracee's output.

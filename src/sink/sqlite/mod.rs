@@ -214,13 +214,16 @@ impl SqliteSink {
         // The frame is named after the function whose machine code it is (the
         // outermost line); the inlined functions are in frame_lines.
         let real = symbols.lines.last().cloned().unwrap_or_default();
-        conn.prepare_cached("UPDATE frames SET function = ?, file = ?, line = ? WHERE id = ?")?
-            .execute(params![
-                real.function,
-                real.file,
-                real.line,
-                int(symbols.frame_id)
-            ])?;
+        conn.prepare_cached(
+            "UPDATE frames SET function = ?, file = ?, line = ?, wrapper = ? WHERE id = ?",
+        )?
+        .execute(params![
+            real.function,
+            real.file,
+            real.line,
+            i64::from(symbols.wrapper),
+            int(symbols.frame_id)
+        ])?;
         conn.prepare_cached("DELETE FROM frame_lines WHERE frame_id = ?")?
             .execute([int(symbols.frame_id)])?;
         let mut insert = conn.prepare_cached(
@@ -297,6 +300,11 @@ impl SqliteSink {
                     s.depth,
                     s.trust.name()
                 ])?;
+                // Until frames are marked at the end, a stack's own frame.
+                conn.prepare_cached(
+                    "INSERT OR REPLACE INTO call_sites(stack_id, frame_id, site_id) VALUES (?, ?, ?)",
+                )?
+                .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
             }
             Record::Event(_) | Record::Symbols(_) => {}
         }
@@ -335,8 +343,10 @@ impl EventSink for SqliteSink {
             return Ok(());
         };
         // The blocks still live, stored once: until this commits, `leaks`
-        // finds them on every query (correct, and slower).
+        // finds them on every query (correct, and slower). And the call
+        // sites, now that the frames are named and marked.
         conn.execute_batch("BEGIN")?;
+        conn.execute_batch(schema::CALL_SITES_AT_FINISH)?;
         match self.open_blocks.ids() {
             Some(ids) => {
                 let mut insert = conn.prepare("INSERT INTO open_blocks(alloc_id) VALUES (?)")?;

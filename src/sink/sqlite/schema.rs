@@ -48,7 +48,8 @@ CREATE TABLE frames(
     module_id INTEGER,
     function TEXT,
     file TEXT,
-    line INTEGER
+    line INTEGER,
+    wrapper INTEGER
 );
 CREATE TABLE frame_lines(
     frame_id INTEGER NOT NULL,
@@ -69,6 +70,17 @@ CREATE TABLE stacks(
 -- step would scan the table. Stack nodes are few next to events, so it is
 -- kept up to date from the start rather than built at the end.
 CREATE INDEX stacks_parent ON stacks(parent_id);
+-- Each stack's call site: its first frame outside the allocator's wrappers
+-- (frames.wrapper), and that frame's node. A table rather than a view, so
+-- that joining it with millions of events costs a rowid lookup each: a row
+-- per stack node as it is written (its own frame: no frame is marked until
+-- the end), rewritten by a clean finish once frames are marked
+-- (CALL_SITES_AT_FINISH).
+CREATE TABLE call_sites(
+    stack_id INTEGER PRIMARY KEY,
+    frame_id INTEGER NOT NULL,
+    site_id INTEGER NOT NULL
+);
 CREATE TABLE ops(
     code INTEGER PRIMARY KEY,
     name TEXT NOT NULL UNIQUE
@@ -99,6 +111,25 @@ CREATE TABLE event_log(
     alloc_dist INTEGER,
     arg INTEGER
 );
+";
+
+/// The call site of every stack whose own frame is a wrapper: walk up
+/// from each node while the frames are wrappers; the first that is not is
+/// the call site. A stack that is all wrappers keeps its own frame. Run by
+/// a clean finish, after the frames are named and marked.
+pub const CALL_SITES_AT_FINISH: &str = "
+WITH RECURSIVE up(stack_id, node, parent_id, frame_id, wrapper) AS (
+    SELECT s.id, s.id, s.parent_id, s.frame_id,
+           coalesce((SELECT f.wrapper FROM frames f WHERE f.id = s.frame_id), 0)
+    FROM stacks s
+    UNION ALL
+    SELECT up.stack_id, p.id, p.parent_id, p.frame_id,
+           coalesce((SELECT f.wrapper FROM frames f WHERE f.id = p.frame_id), 0)
+    FROM up JOIN stacks p ON p.id = up.parent_id
+    WHERE up.wrapper
+)
+INSERT OR REPLACE INTO call_sites(stack_id, frame_id, site_id)
+SELECT stack_id, frame_id, node FROM up WHERE NOT wrapper AND node <> stack_id;
 ";
 
 /// The name of the module-relative address of frame `f` in module `m`

@@ -533,6 +533,29 @@ fn demangles_every_kind_of_name() {
     assert_eq!(demangle("_Znot a name", None), "_Znot a name");
 }
 
+/// Names cpp_demangle cannot parse whole (GCC's `sr` with template
+/// arguments, gimli-rs/cpp_demangle#302) still come out readable: the
+/// function's name, without return type and parameters.
+#[test]
+fn demangles_what_the_demangler_cannot_read_whole() {
+    let make_shared = "_ZSt11make_sharedISt6vectorIdSaIdEEJRiEESt10shared_ptrINSt9enable_ifIXntsrSt8is_arrayIT_E5valueES7_E4typeEEDpOT0_";
+    let want = "std::make_shared<std::vector<double, std::allocator<double> >, int&>";
+    assert_eq!(demangle(make_shared, None), want);
+    assert_eq!(
+        demangle(make_shared, Some(addr2line::gimli::DW_LANG_C_plus_plus_14)),
+        want
+    );
+    assert_eq!(
+        demangle(
+            "_ZN5FasTCmlIfNS_9Matrix4x4IfEEEENS_10MultSwitchIXsrNS_12VectorTraitsIT_EE11kVectorTypeEXsrNS4_IT0_EE11kVectorTypeES5_S7_E10ResultTypeERKS5_RKS7_",
+            None
+        ),
+        "FasTC::operator*<float, FasTC::Matrix4x4<float> >"
+    );
+    // Garbage after _Z stays as it is.
+    assert_eq!(demangle("_ZEEEE", None), "_ZEEEE");
+}
+
 /// Each file is read once and each lookup is cheap: a trace's worth of
 /// unique addresses takes well under a second, in libc (symbols only) and in
 /// this test binary (tens of megabytes of DWARF). The bounds leave room for a

@@ -201,10 +201,12 @@ fn symbols() -> Vec<Record> {
                 line(Some("make_node"), Some("src/list.c"), Some(12)),
                 line(Some("push_back"), Some("src/list.c"), Some(40)),
             ],
+            wrapper: false,
         }),
         Record::Symbols(FrameSymbols {
             frame_id: 4,
             lines: vec![line(Some("helper"), None, None)],
+            wrapper: false,
         }),
     ]
 }
@@ -280,6 +282,51 @@ fn stack_text_names_every_frame_innermost_first() {
     );
     assert_eq!(stack_text(&conn, 10).as_deref(), Some("0x7fff12345678"));
     assert_eq!(query_i64(&conn, "SELECT count(*) FROM stack_text"), 4);
+}
+
+/// One row per stack: the first frame outside the allocator's wrappers,
+/// innermost first, and its node; the innermost frame when every frame is
+/// a wrapper, and until the trace is finished.
+#[test]
+fn call_sites_skip_the_wrappers() {
+    let named = |frame_id, function: &str, wrapper| {
+        Record::Symbols(FrameSymbols {
+            frame_id,
+            lines: vec![line(Some(function), None, None)],
+            wrapper,
+        })
+    };
+    let sites = |conn: &Connection| -> Vec<(i64, i64, i64)> {
+        conn.prepare("SELECT stack_id, frame_id, site_id FROM call_sites ORDER BY stack_id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    };
+    // 12 -> 11 -> 10 holds frames 1, 2, 3; 13 -> 11 -> 10 holds 4, 2, 3.
+    let own = [(10, 3, 10), (11, 2, 11), (12, 1, 12), (13, 4, 13)];
+    for (wrappers, finished) in [
+        // Frame 1 (xmalloc) a wrapper: 12 is charged to frame 2, node 11.
+        (
+            &[1][..],
+            [(10, 3, 10), (11, 2, 11), (12, 2, 11), (13, 4, 13)],
+        ),
+        // Every frame of 12 a wrapper: its own frame stands for the call.
+        (&[1, 2, 3][..], own),
+    ] {
+        let dir = TempDir::new("call_sites");
+        let mut sink = SqliteSink::create(&dir.db()).unwrap();
+        write_all(&mut sink, &stack_records());
+        let mut marks = vec![named(4, "helper", false)];
+        marks.extend(wrappers.iter().map(|&f| named(f, "xmalloc", true)));
+        write_all(&mut sink, &marks);
+        sink.commit().unwrap();
+        // A running (or killed) trace: each stack's own frame.
+        assert_eq!(sites(&read(&dir.db())), own);
+        sink.finish().unwrap();
+        assert_eq!(sites(&read(&dir.db())), finished, "wrappers {wrappers:?}");
+    }
 }
 
 #[test]

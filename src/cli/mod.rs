@@ -25,16 +25,21 @@ memptrace runs PROGRAM under ptrace (or attaches to a running process), plants b
 malloc, calloc, realloc, free and the rest of the allocator API in every ELF image (static \
 binaries included), and writes each call to a SQLite database. Query it with sqlite3; see \
 docs/queries.md.",
-    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
-    args_conflicts_with_subcommands = true,
+    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace -o web.db attach 1234\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
     subcommand_negates_reqs = true
 )]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
 
+    /// Options of a trace: of the launched PROGRAM, or of `attach`, given
+    /// before it (`memptrace -o x.db attach PID`) or after it.
     #[command(flatten)]
     pub trace: TraceArgs,
+
+    /// (attach) Stop tracing after this many seconds.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
 
     /// The program to run, and its arguments (after `--`).
     #[arg(last = true, value_name = "PROGRAM", required = true)]
@@ -88,6 +93,9 @@ pub struct ViewArgs {
     /// When to colour the text.
     #[arg(long, value_enum, default_value_t = ColorArg::Auto)]
     pub color: ColorArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -111,6 +119,9 @@ pub struct FlamegraphArgs {
     /// What each stack is weighed by.
     #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
     pub metric: MetricArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -145,6 +156,9 @@ pub struct ExportArgs {
     /// What the folded stacks are weighed by.
     #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
     pub metric: MetricArg,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -250,23 +264,26 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
-#[derive(Debug, Clone, Args)]
+/// Options of a trace. Each is optional here, so that options given before
+/// `attach` and after it can be told apart and put together
+/// ([`TraceArgs::merge`]); the defaults are applied in [`TraceConfig`].
+#[derive(Debug, Clone, Default, Args)]
 pub struct TraceArgs {
-    /// Database to write.
-    #[arg(short, long, value_name = "PATH", default_value = "trace.db")]
-    pub output: PathBuf,
+    /// Database to write [default: trace.db].
+    #[arg(short, long, value_name = "PATH")]
+    pub output: Option<PathBuf>,
 
     /// Replace the output file if it exists.
     #[arg(long)]
     pub force: bool,
 
-    /// Frames recorded per stack, at most.
-    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub max_depth: u32,
+    /// Frames recorded per stack, at most [default: 128].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_depth: Option<u32>,
 
-    /// How stacks are unwound.
-    #[arg(long, value_enum, default_value_t = UnwinderArg::Framehop)]
-    pub unwinder: UnwinderArg,
+    /// How stacks are unwound [default: framehop].
+    #[arg(long, value_enum)]
+    pub unwinder: Option<UnwinderArg>,
 
     /// Record every call but no stacks (fastest).
     #[arg(long)]
@@ -274,19 +291,23 @@ pub struct TraceArgs {
 
     /// Unwind the stack of every Nth call from each call site only (the 1st,
     /// the N+1th, ...); every call is still recorded, the others with their
-    /// caller as a one-frame stack.
-    #[arg(long, value_name = "N", default_value_t = 1, conflicts_with = "no_stacks",
+    /// caller as a one-frame stack [default: 1].
+    #[arg(long, value_name = "N", conflicts_with = "no_stacks",
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub stack_every: u64,
+    pub stack_every: Option<u64>,
     /// Trace forked children too, into the same database (without it they
     /// are released unharmed).
     #[arg(short = 'f', long)]
     pub follow_forks: bool,
 
     /// How calls are caught: recorded inside the program with no stop
-    /// (jump), or with a ptrace stop each (int3, the reference).
-    #[arg(long, value_enum, env = "MEMPTRACE_PROBES", default_value_t = ProbesArg::Jump)]
-    pub probes: ProbesArg,
+    /// (jump), or with a ptrace stop each (int3, the reference) [default:
+    /// jump, or the environment's MEMPTRACE_PROBES].
+    #[arg(long, value_enum)]
+    pub probes: Option<ProbesArg>,
+
+    #[command(flatten)]
+    pub wrappers: WrapperArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -295,6 +316,69 @@ pub enum ProbesArg {
     Jump,
     /// A breakpoint and a ptrace stop per call.
     Int3,
+}
+
+/// The user's allocator wrappers, for a trace and for the reports.
+#[derive(Debug, Clone, Default, Args)]
+pub struct WrapperArgs {
+    /// A function that allocates on behalf of its caller (xmalloc,
+    /// g_malloc, Perl_safesysmalloc...): a regular expression searched in
+    /// demangled function names, such as '^xmalloc$'. Its callers are the
+    /// call sites (view call_sites, report, flame graphs), as for operator
+    /// new and the other built-in wrappers. Repeat it for more.
+    #[arg(long = "wrapper", value_name = "REGEX", value_parser = crate::wrappers::check)]
+    pub wrappers: Vec<String>,
+}
+
+impl TraceArgs {
+    /// The options given before a subcommand and after it, as one; an
+    /// option given on both sides is refused.
+    pub fn merge(self, after: TraceArgs) -> Result<TraceArgs, String> {
+        fn once<T>(name: &str, a: Option<T>, b: Option<T>) -> Result<Option<T>, String> {
+            match (a, b) {
+                (Some(_), Some(_)) => Err(format!("{name} is given twice")),
+                (a, b) => Ok(a.or(b)),
+            }
+        }
+        let merged = TraceArgs {
+            output: once("--output", self.output, after.output)?,
+            force: self.force || after.force,
+            max_depth: once("--max-depth", self.max_depth, after.max_depth)?,
+            unwinder: once("--unwinder", self.unwinder, after.unwinder)?,
+            no_stacks: self.no_stacks || after.no_stacks,
+            stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
+            follow_forks: self.follow_forks || after.follow_forks,
+            probes: once("--probes", self.probes, after.probes)?,
+            wrappers: WrapperArgs {
+                wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
+            },
+        };
+        if merged.no_stacks && merged.stack_every.is_some() {
+            return Err("--no-stacks and --stack-every cannot be used together".to_string());
+        }
+        Ok(merged)
+    }
+
+    /// The options given, by name (to refuse them where they do not apply).
+    pub fn given(&self) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        let flags = [
+            (self.output.is_some(), "--output"),
+            (self.force, "--force"),
+            (self.max_depth.is_some(), "--max-depth"),
+            (self.unwinder.is_some(), "--unwinder"),
+            (self.no_stacks, "--no-stacks"),
+            (self.stack_every.is_some(), "--stack-every"),
+            (self.follow_forks, "--follow-forks"),
+            (self.probes.is_some(), "--probes"),
+        ];
+        for (given, name) in flags {
+            if given {
+                names.push(name);
+            }
+        }
+        names
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -350,25 +434,31 @@ pub struct TraceConfig {
     pub stack_every: u64,
     pub follow_forks: bool,
     pub probes: ProbeMode,
+    /// The user's allocator wrappers (regular expressions).
+    pub wrappers: Vec<String>,
 }
 
-impl From<TraceArgs> for TraceConfig {
-    fn from(a: TraceArgs) -> TraceConfig {
+impl TraceConfig {
+    /// The options of a trace with their defaults; `env_probes` is
+    /// `MEMPTRACE_PROBES`, used when `--probes` is not given (read once,
+    /// here, rather than by clap on both sides of `attach`).
+    fn new(a: TraceArgs, env_probes: Option<ProbesArg>) -> TraceConfig {
         TraceConfig {
-            output: a.output,
+            output: a.output.unwrap_or_else(|| PathBuf::from("trace.db")),
             force: a.force,
-            max_depth: a.max_depth as usize,
-            unwinder: match a.unwinder {
+            max_depth: a.max_depth.unwrap_or(128) as usize,
+            unwinder: match a.unwinder.unwrap_or(UnwinderArg::Framehop) {
                 UnwinderArg::Framehop => UnwinderKind::Framehop,
                 UnwinderArg::Libunwind => UnwinderKind::Libunwind,
             },
             stacks: !a.no_stacks,
-            stack_every: a.stack_every,
+            stack_every: a.stack_every.unwrap_or(1),
             follow_forks: a.follow_forks,
-            probes: match a.probes {
+            probes: match a.probes.or(env_probes).unwrap_or(ProbesArg::Jump) {
                 ProbesArg::Jump => ProbeMode::Jump,
                 ProbesArg::Int3 => ProbeMode::Int3,
             },
+            wrappers: a.wrappers.wrappers,
         }
     }
 }
@@ -387,6 +477,7 @@ impl From<ViewArgs> for ReportOptions {
             },
             top: v.top as usize,
             frames: v.frames as usize,
+            wrappers: v.wrappers.wrappers,
         }
     }
 }
@@ -402,27 +493,100 @@ impl From<MetricArg> for Metric {
     }
 }
 
+impl Command {
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Attach(_) => "attach",
+            Command::Report(_) => "report",
+            Command::Flamegraph(_) => "flamegraph",
+            Command::Plot(_) => "plot",
+            Command::Export(_) => "export",
+            Command::Window(_) => "window",
+        }
+    }
+}
+
 impl Cli {
-    pub fn into_config(self) -> Config {
-        match self.command {
+    /// Parse the process's arguments; on a usage error print it as clap
+    /// does and exit with status 2.
+    pub fn config_from_args() -> Config {
+        let env_probes = std::env::var("MEMPTRACE_PROBES").ok();
+        Cli::parse()
+            .into_config(env_probes.as_deref())
+            .unwrap_or_else(|err| err.exit())
+    }
+
+    /// The plain config. Options of a trace may come before `attach` as well
+    /// as after it; before another subcommand they are a usage error.
+    /// `env_probes` is the value of `MEMPTRACE_PROBES`, if set.
+    pub fn into_config(self, env_probes: Option<&str>) -> Result<Config, clap::Error> {
+        let usage = |message: String| {
+            <Cli as clap::CommandFactory>::command()
+                .error(clap::error::ErrorKind::ArgumentConflict, message)
+        };
+        let env_probes = match env_probes {
+            Some(value) => Some(ProbesArg::from_str(value, true).map_err(|_| {
+                <Cli as clap::CommandFactory>::command().error(
+                    clap::error::ErrorKind::InvalidValue,
+                    format!("MEMPTRACE_PROBES={value:?}: give jump or int3"),
+                )
+            })?),
+            None => None,
+        };
+        if let Some(command) = &self.command {
+            let name = command.name();
+            let mut given = self.trace.given();
+            if self.duration.is_some() && name != "attach" {
+                given.push("--duration");
+            }
+            if name == "plot" && !self.trace.wrappers.wrappers.is_empty() {
+                given.push("--wrapper");
+            }
+            if name != "attach" && !given.is_empty() {
+                return Err(usage(format!(
+                    "{} before `{name}`: options of a trace go with `memptrace [OPTIONS] -- PROGRAM` or `memptrace attach PID [OPTIONS]`",
+                    given.join(", ")
+                )));
+            }
+        } else if self.duration.is_some() {
+            return Err(usage(
+                "--duration applies to `attach` (a launched program is traced until it exits)"
+                    .to_string(),
+            ));
+        }
+        // --wrapper before a report command is the report's.
+        let before = self.trace.wrappers.wrappers.clone();
+        let with_before = |after: Vec<String>| [before.clone(), after].concat();
+        Ok(match self.command {
             None => Config::Launch {
-                trace: self.trace.into(),
+                trace: TraceConfig::new(self.trace, env_probes),
                 program: self.program,
             },
-            Some(Command::Attach(a)) => Config::Attach {
-                trace: a.trace.into(),
-                pid: a.pid,
-                duration: a.duration,
-            },
-            Some(Command::Report(a)) => Config::Report {
+            Some(Command::Attach(a)) => {
+                let trace = self.trace.merge(a.trace).map_err(usage)?;
+                let duration = match (self.duration, a.duration) {
+                    (Some(_), Some(_)) => return Err(usage("--duration is given twice".into())),
+                    (before, after) => before.or(after),
+                };
+                Config::Attach {
+                    trace: TraceConfig::new(trace, env_probes),
+                    pid: a.pid,
+                    duration,
+                }
+            }
+            Some(Command::Report(mut a)) => Config::Report {
                 trace: a.file.trace,
-                options: a.view.into(),
+                options: {
+                    a.view.wrappers.wrappers = with_before(a.view.wrappers.wrappers);
+                    a.view.into()
+                },
             },
             Some(Command::Flamegraph(a)) => Config::Flamegraph {
                 trace: a.file.trace,
                 options: FlamegraphOptions {
                     output: a.output,
                     metric: a.metric.into(),
+                    wrappers: with_before(a.wrappers.wrappers),
                 },
             },
             Some(Command::Plot(a)) => Config::Plot {
@@ -439,301 +603,23 @@ impl Cli {
                     pprof: a.pprof,
                     collapsed: a.collapsed,
                     metric: a.metric.into(),
+                    wrappers: with_before(a.wrappers.wrappers),
                 },
             },
-            Some(Command::Window(a)) => Config::Window {
+            Some(Command::Window(mut a)) => Config::Window {
                 trace: a.file.trace,
                 options: WindowOptions {
                     from_ns: a.from,
                     to_ns: a.to,
-                    report: a.view.into(),
+                    report: {
+                        a.view.wrappers.wrappers = with_before(a.view.wrappers.wrappers);
+                        a.view.into()
+                    },
                 },
             },
-        }
+        })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::CommandFactory;
-
-    fn parse(args: &[&str]) -> Result<Config, clap::Error> {
-        Cli::try_parse_from(args).map(Cli::into_config)
-    }
-
-    #[test]
-    fn clap_definition_is_consistent() {
-        Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn launch_defaults() {
-        let Ok(Config::Launch { trace, program }) = parse(&["memptrace", "--", "ls", "-l"]) else {
-            panic!("not a launch");
-        };
-        assert_eq!(program, vec![OsString::from("ls"), OsString::from("-l")]);
-        assert_eq!(trace.output, PathBuf::from("trace.db"));
-        assert!(!trace.force);
-        assert_eq!(trace.max_depth, 128);
-        assert_eq!(trace.unwinder, UnwinderKind::Framehop);
-        assert!(trace.stacks);
-        assert_eq!(trace.stack_every, 1);
-    }
-
-    #[test]
-    fn stack_every() {
-        let Ok(Config::Launch { trace, .. }) =
-            parse(&["memptrace", "--stack-every", "10", "--", "ls"])
-        else {
-            panic!("not a launch");
-        };
-        assert_eq!(trace.stack_every, 10);
-        assert!(trace.stacks);
-        let Ok(Config::Attach { trace, .. }) =
-            parse(&["memptrace", "attach", "1", "--stack-every", "3"])
-        else {
-            panic!("not an attach");
-        };
-        assert_eq!(trace.stack_every, 3);
-        for bad in ["0", "-1", "ten", ""] {
-            assert!(
-                parse(&["memptrace", "--stack-every", bad, "--", "ls"]).is_err(),
-                "--stack-every {bad:?}"
-            );
-        }
-        assert!(
-            parse(&[
-                "memptrace",
-                "--stack-every",
-                "10",
-                "--no-stacks",
-                "--",
-                "ls"
-            ])
-            .is_err(),
-            "no stacks and some stacks at once"
-        );
-    }
-
-    #[test]
-    fn launch_options() {
-        let Ok(Config::Launch { trace, program }) = parse(&[
-            "memptrace",
-            "-o",
-            "x.db",
-            "--force",
-            "--max-depth",
-            "16",
-            "--unwinder",
-            "libunwind",
-            "--no-stacks",
-            "--",
-            "./prog",
-            "--its-own-flag",
-        ]) else {
-            panic!("not a launch");
-        };
-        assert_eq!(trace.output, PathBuf::from("x.db"));
-        assert!(trace.force);
-        assert_eq!(trace.max_depth, 16);
-        assert_eq!(trace.unwinder, UnwinderKind::Libunwind);
-        assert!(!trace.stacks);
-        assert_eq!(program[1], OsString::from("--its-own-flag"));
-    }
-
-    #[test]
-    fn attach_options() {
-        let config = parse(&[
-            "memptrace",
-            "attach",
-            "1234",
-            "--duration",
-            "2.5",
-            "-o",
-            "a.db",
-        ]);
-        let Ok(Config::Attach {
-            trace,
-            pid,
-            duration,
-        }) = config
-        else {
-            panic!("not an attach: {config:?}");
-        };
-        assert_eq!(pid, 1234);
-        assert_eq!(duration, Some(Duration::from_millis(2500)));
-        assert_eq!(trace.output, PathBuf::from("a.db"));
-        // A program called `attach` is still a program after `--`.
-        assert!(matches!(
-            parse(&["memptrace", "--", "attach", "1"]),
-            Ok(Config::Launch { .. })
-        ));
-        assert!(
-            parse(&["memptrace", "attach"]).is_err(),
-            "a pid is required"
-        );
-        assert!(parse(&["memptrace", "attach", "1", "--duration", "-1"]).is_err());
-        assert!(parse(&["memptrace", "attach", "1", "--", "ls"]).is_err());
-    }
-
-    #[test]
-    fn report_options() {
-        let Ok(Config::Report { trace, options }) = parse(&["memptrace", "report"]) else {
-            panic!("not a report");
-        };
-        assert_eq!(trace, PathBuf::from("trace.db"));
-        assert_eq!(
-            options,
-            ReportOptions {
-                format: Format::Text,
-                color: Color::Auto,
-                top: 5,
-                frames: 8
-            }
-        );
-        let Ok(Config::Report { trace, options }) = parse(&[
-            "memptrace",
-            "report",
-            "x.db",
-            "--format",
-            "json",
-            "--top",
-            "3",
-            "--frames",
-            "2",
-            "--color",
-            "never",
-        ]) else {
-            panic!("not a report");
-        };
-        assert_eq!(trace, PathBuf::from("x.db"));
-        assert_eq!(
-            options,
-            ReportOptions {
-                format: Format::Json,
-                color: Color::Never,
-                top: 3,
-                frames: 2
-            }
-        );
-        assert!(parse(&["memptrace", "report", "--top", "0"]).is_err());
-        assert!(parse(&["memptrace", "report", "--format", "xml"]).is_err());
-        // A program called `report` is still a program after `--`.
-        assert!(matches!(
-            parse(&["memptrace", "--", "report"]),
-            Ok(Config::Launch { .. })
-        ));
-    }
-
-    #[test]
-    fn picture_options() {
-        let Ok(Config::Flamegraph { trace, options }) = parse(&[
-            "memptrace",
-            "flamegraph",
-            "t.db",
-            "-o",
-            "f.svg",
-            "--metric",
-            "leaked",
-        ]) else {
-            panic!("not a flamegraph");
-        };
-        assert_eq!(trace, PathBuf::from("t.db"));
-        assert_eq!(options.output, PathBuf::from("f.svg"));
-        assert_eq!(options.metric, Metric::Leaked);
-        let Ok(Config::Flamegraph { options, .. }) = parse(&["memptrace", "flamegraph"]) else {
-            panic!("not a flamegraph");
-        };
-        assert_eq!(
-            (options.output, options.metric),
-            (PathBuf::from("flamegraph.svg"), Metric::Allocated)
-        );
-        assert!(parse(&["memptrace", "flamegraph", "--metric", "speed"]).is_err());
-
-        let Ok(Config::Plot { options, .. }) =
-            parse(&["memptrace", "plot", "-o", "h.png", "--size", "800x600"])
-        else {
-            panic!("not a plot");
-        };
-        assert_eq!(
-            options,
-            PlotOptions {
-                output: PathBuf::from("h.png"),
-                width: 800,
-                height: 600
-            }
-        );
-        assert!(parse(&["memptrace", "plot", "--size", "800"]).is_err());
-        assert!(parse(&["memptrace", "plot", "--size", "10x10"]).is_err());
-    }
-
-    #[test]
-    fn export_options() {
-        let Ok(Config::Export { options, .. }) = parse(&[
-            "memptrace",
-            "export",
-            "--pprof",
-            "p.pb.gz",
-            "--collapsed",
-            "c.txt",
-        ]) else {
-            panic!("not an export");
-        };
-        assert_eq!(options.pprof, Some(PathBuf::from("p.pb.gz")));
-        assert_eq!(options.collapsed, Some(PathBuf::from("c.txt")));
-        assert_eq!(options.metric, Metric::Allocated);
-        assert!(
-            parse(&["memptrace", "export", "t.db"]).is_err(),
-            "an output is required"
-        );
-    }
-
-    #[test]
-    fn window_options() {
-        let Ok(Config::Window { trace, options }) = parse(&[
-            "memptrace",
-            "window",
-            "t.db",
-            "--from",
-            "1.5",
-            "--to",
-            "2500ms",
-            "--format",
-            "json",
-        ]) else {
-            panic!("not a window");
-        };
-        assert_eq!(trace, PathBuf::from("t.db"));
-        assert_eq!(
-            (options.from_ns, options.to_ns),
-            (1_500_000_000, 2_500_000_000)
-        );
-        assert_eq!(options.report.format, Format::Json);
-        assert!(
-            parse(&["memptrace", "window", "--from", "1"]).is_err(),
-            "--to is required"
-        );
-        assert!(parse(&["memptrace", "window", "--from", "-1", "--to", "2"]).is_err());
-    }
-
-    #[test]
-    fn times_with_units() {
-        assert_eq!(parse_time("2"), Ok(2_000_000_000));
-        assert_eq!(parse_time("0.25s"), Ok(250_000_000));
-        assert_eq!(parse_time("250ms"), Ok(250_000_000));
-        assert_eq!(parse_time("300us"), Ok(300_000));
-        assert_eq!(parse_time("300µs"), Ok(300_000));
-        assert_eq!(parse_time("42ns"), Ok(42));
-        assert!(parse_time("soon").is_err());
-        assert!(parse_time("-1s").is_err());
-        assert!(parse_time("infs").is_err());
-    }
-
-    #[test]
-    fn rejects_bad_input() {
-        assert!(parse(&["memptrace"]).is_err(), "a program is required");
-        assert!(parse(&["memptrace", "--max-depth", "0", "--", "ls"]).is_err());
-        assert!(parse(&["memptrace", "--unwinder", "magic", "--", "ls"]).is_err());
-    }
-}
+mod tests;

@@ -1,0 +1,212 @@
+//! The allocator's wrappers: frames that allocate on behalf of their caller.
+//!
+//! "Who calls the allocator" is answered by the first frame of a stack,
+//! innermost first, that is not part of the allocator (the *call site*).
+//! A frame is part of the allocator when
+//! - its module is the allocator's own library: a C library (`libc.so.6`,
+//!   `libc-2.*.so`, musl's `ld-musl-*.so.1` / `libc.musl-*.so.1`) or a malloc
+//!   replacement (`libjemalloc`, `libtcmalloc*`, `libmimalloc`), recognised
+//!   by file name, since a trace can be read where the program's files are
+//!   not; so `strdup`, `fopen` or `printf` allocating for a caller charge the
+//!   caller; or
+//! - its function (the one whose machine code holds the call) is a wrapper:
+//!   one of [`BUILTIN`], or matches a regular expression the user gave
+//!   (`--wrapper`, searched in the demangled name: `^xmalloc$`).
+//!
+//! Inlined lines of a frame are wrappers by the same names (a C++
+//! `std::__new_allocator<T>::allocate` inlined into the caller's code): they
+//! do not make the frame a wrapper, since the frame's code is the caller's,
+//! but a report need not show them.
+//!
+//! The trace marks frames once, when it names them (`frames.wrapper`); a
+//! report applies the same rule to the names it reads, with the regular
+//! expressions given to the trace (`meta` rows `wrapper.N`) and its own.
+
+use regex::RegexSet;
+
+/// Names of the allocator's entry points and wrappers, as regular
+/// expressions over demangled names. Anchored: `operator new` matches
+/// `operator new(unsigned long)` but `std::vector<...>` does not match the
+/// `std::allocator` of its template arguments.
+pub const BUILTIN: &[&str] = &[
+    // The hooked functions (a static binary's allocator calls them itself)
+    // and glibc's internal names for them.
+    r"^(malloc|calloc|realloc|free|posix_memalign|aligned_alloc|memalign|valloc|pvalloc|reallocarray)$",
+    r"^__libc_(malloc|calloc|realloc|free|memalign|valloc|pvalloc|reallocarray)$",
+    r"^(__posix_memalign|_int_malloc|_int_realloc|_int_memalign|_mid_memalign)$",
+    // C++: operator new/new[]/delete/delete[], with their nothrow, aligned
+    // (std::align_val_t) and sized forms.
+    r"^operator (new|delete)(\[\])? ?\(",
+    // The standard allocators' code, usually inlined into the caller:
+    // libstdc++ (std::__new_allocator, older __gnu_cxx::new_allocator,
+    // std::allocator, std::allocator_traits, make_shared's
+    // std::__allocate_guarded) and libc++ (std::__1::...).
+    r"^([^(<]* )?(std::(__1::)?|__gnu_cxx::)(__new_allocator|new_allocator|allocator|allocator_traits|__allocate_guarded\w*|__allocated_ptr|__libcpp_allocate|__libcpp_deallocate|__libcpp_operator_new|__libcpp_operator_delete)\b",
+    // Rust: the global allocator's shims, std's System allocator, and the
+    // allocation layer of Vec (RawVec: finish_grow and friends, shared by
+    // every Vec, so it says nothing about the caller).
+    r"^(__rustc::)?__rust_(alloc|alloc_zeroed|realloc|dealloc)$",
+    r"^(__rustc::)?(__rdl_|__rg_)",
+    r"^alloc::alloc::",
+    r"^<alloc::alloc::Global as core::alloc::",
+    r"^<std::alloc::System as core::alloc::",
+    r"^std::sys::(pal::\w+::)?alloc::",
+    r"^alloc::raw_vec::",
+    r"^<alloc::raw_vec::",
+];
+
+/// The C libraries and malloc replacements whose frames are the allocator's.
+pub fn is_allocator_library(file_name: &str) -> bool {
+    const PREFIXES: [&str; 8] = [
+        "libc.so",
+        "libc-2.",
+        "ld-musl-",
+        "libc.musl-",
+        "libjemalloc.so",
+        "libtcmalloc",
+        "libmimalloc.so",
+        "libmimalloc-",
+    ];
+    PREFIXES.iter().any(|p| file_name.starts_with(p))
+}
+
+/// The built-in wrappers and the user's.
+#[derive(Clone, Debug)]
+pub struct Wrappers {
+    set: RegexSet,
+    /// The user's expressions, as given.
+    extra: Vec<String>,
+}
+
+impl Wrappers {
+    /// The built-in list, extended by `extra` (the user's `--wrapper`
+    /// expressions). Fails on an expression that is not one.
+    pub fn new(extra: &[String]) -> Result<Wrappers, regex::Error> {
+        for e in extra {
+            // Checked one by one, to name the bad one.
+            regex::Regex::new(e)?;
+        }
+        let set = RegexSet::new(
+            BUILTIN
+                .iter()
+                .copied()
+                .chain(extra.iter().map(String::as_str)),
+        )?;
+        Ok(Wrappers {
+            set,
+            extra: extra.to_vec(),
+        })
+    }
+
+    /// The built-in list alone.
+    pub fn builtin() -> Wrappers {
+        Wrappers::new(&[]).expect("the built-in expressions compile")
+    }
+
+    /// The user's expressions.
+    pub fn extra(&self) -> &[String] {
+        &self.extra
+    }
+
+    /// True when `function` (demangled) is one of the allocator's wrappers.
+    pub fn is_wrapper(&self, function: &str) -> bool {
+        self.set.is_match(function)
+    }
+
+    /// True when a frame is part of the allocator: its module (file name) is
+    /// the allocator's library, or its function is a wrapper.
+    pub fn is_allocator_frame(&self, module: Option<&str>, function: Option<&str>) -> bool {
+        module.is_some_and(is_allocator_library) || function.is_some_and(|f| self.is_wrapper(f))
+    }
+}
+
+/// `--wrapper` values: each must be a regular expression.
+pub fn check(expression: &str) -> Result<String, String> {
+    regex::Regex::new(expression)
+        .map(|_| expression.to_string())
+        .map_err(|e| format!("not a regular expression: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocator_libraries_by_name() {
+        for lib in [
+            "libc.so.6",
+            "libc-2.31.so",
+            "ld-musl-x86_64.so.1",
+            "libjemalloc.so.2",
+            "libtcmalloc_minimal.so.4",
+        ] {
+            assert!(is_allocator_library(lib), "{lib}");
+        }
+        for other in [
+            "libcrypto.so.3",
+            "ld-linux-x86-64.so.2",
+            "sqlite3",
+            "libstdc++.so.6",
+        ] {
+            assert!(!is_allocator_library(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn builtin_wrappers() {
+        let w = Wrappers::builtin();
+        for f in [
+            "malloc",
+            "posix_memalign",
+            "__libc_malloc",
+            "operator new(unsigned long)",
+            "operator new[](unsigned long)",
+            "operator new(unsigned long, std::nothrow_t const&)",
+            "operator new[](unsigned long, std::align_val_t, std::nothrow_t const&)",
+            "operator delete(void*, unsigned long)",
+            "operator delete[](void*)",
+            "std::__new_allocator<int>::allocate(unsigned long, void const*)",
+            "__gnu_cxx::new_allocator<int>::allocate(unsigned long, void const*)",
+            "std::allocator<int>::allocate(unsigned long)",
+            "std::allocator_traits<std::allocator<int> >::allocate(std::allocator<int>&, unsigned long)",
+            "std::__allocated_ptr<std::allocator<std::_Sp_counted_ptr_inplace<int, std::allocator<int>, (__gnu_cxx::_Lock_policy)2> > > std::__allocate_guarded<std::allocator<std::_Sp_counted_ptr_inplace<int, std::allocator<int>, (__gnu_cxx::_Lock_policy)2> > >(std::allocator<std::_Sp_counted_ptr_inplace<int, std::allocator<int>, (__gnu_cxx::_Lock_policy)2> >&)",
+            "std::__1::allocator<int>::allocate[abi:ne180100](unsigned long)",
+            "__rust_alloc",
+            "__rustc::__rust_realloc",
+            "__rdl_alloc",
+            "alloc::alloc::exchange_malloc",
+            "<alloc::alloc::Global as core::alloc::Allocator>::allocate",
+            "alloc::raw_vec::finish_grow",
+        ] {
+            assert!(w.is_wrapper(f), "{f}");
+        }
+        for other in [
+            "strdup",
+            "main",
+            "malloc_consolidate_user",
+            "new_node",
+            "operator<<(std::ostream&, int)",
+            "std::vector<int, std::allocator<int> >::push_back(int const&)",
+            "void std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>(__gnu_cxx::__normal_iterator<int*, std::vector<int, std::allocator<int> > >, int const&)",
+            "shapes::make_widget(int)",
+            "xmalloc",
+        ] {
+            assert!(!w.is_wrapper(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn user_wrappers_extend_the_list() {
+        let w = Wrappers::new(&["^xmalloc$".into(), "^g_malloc".into()]).unwrap();
+        assert!(w.is_wrapper("xmalloc") && w.is_wrapper("g_malloc0"));
+        assert!(!w.is_wrapper("xmalloc_stats") && w.is_wrapper("operator new(unsigned long)"));
+        assert_eq!(w.extra(), ["^xmalloc$", "^g_malloc"]);
+        assert!(Wrappers::new(&["(".into()]).is_err());
+        assert!(check("(").is_err());
+        assert_eq!(check("^x$"), Ok("^x$".to_string()));
+        assert!(w.is_allocator_frame(Some("libc.so.6"), Some("strdup")));
+        assert!(w.is_allocator_frame(None, Some("xmalloc")));
+        assert!(!w.is_allocator_frame(Some("app"), Some("main")));
+        assert!(!w.is_allocator_frame(None, None));
+    }
+}
