@@ -317,6 +317,7 @@ impl Recording {
             ("lost_returns", stats.lost_returns.to_string()),
             ("copy_faults", stats.copy_faults.to_string()),
             ("walk_faults", stats.walk_faults.to_string()),
+            ("ring_waits", stats.ring_waits.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];

@@ -131,6 +131,24 @@ impl SharedMemory {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), buf.as_mut_ptr(), buf.len()) }
     }
 
+    /// Append `len` bytes at `offset` to `out` (memory the target finished
+    /// writing).
+    pub fn copy_out(&self, offset: u64, len: usize, out: &mut Vec<u8>) {
+        let offset = offset as usize;
+        assert!(offset + len <= self.len);
+        out.reserve(len);
+        // SAFETY: in bounds (checked); `out` has `len` bytes of spare
+        // capacity, all written before the length grows.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(offset),
+                out.as_mut_ptr().add(out.len()),
+                len,
+            );
+            out.set_len(out.len() + len);
+        }
+    }
+
     /// Wake the target's threads waiting on the 32-bit futex word at
     /// `offset` (`futex(2)`, FUTEX_WAKE, not private: the word is shared).
     pub fn wake(&self, offset: u64) {

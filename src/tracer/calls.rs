@@ -203,6 +203,24 @@ impl Tracer {
         if len == 0 {
             return None;
         }
+        let unfinished = self
+            .family
+            .threads
+            .get(&tid)
+            .and_then(|t| t.unfinished_copy);
+        let buffers = self.family.space_of_mut(tid)?.buffers.as_mut()?;
+        if let Some((buffer, seq)) = unfinished {
+            // A copy of this thread read at a stop before its routine was
+            // done: the routine may still write the buffer (from a signal
+            // handler's interrupted context); this call's stack is read in
+            // the stop until then.
+            if !buffers.done(buffer, seq) {
+                return None;
+            }
+            if let Some(thread) = self.family.threads.get_mut(&tid) {
+                thread.unfinished_copy = None;
+            }
+        }
         let buffers = self.family.space_of_mut(tid)?.buffers.as_mut()?;
         let issued = buffers.issue(tid)?;
         let copy = PendingCopy {

@@ -76,14 +76,26 @@ impl Tracer {
         let pid = thread.pid;
         let mut bytes = Vec::new();
         let buffers = self.family.space_of(tid).and_then(|s| s.buffers.as_ref());
-        match buffers {
+        let unfinished = match buffers {
             Some(b) if b.done(copy.buffer, copy.seq) => {
-                b.copy_out(copy.buffer, copy.len, &mut bytes)
+                b.copy_out(copy.buffer, copy.len, &mut bytes);
+                false
             }
-            _ if readable && mem::read_mapped_into(pid, copy.sp, copy.len, &mut bytes).is_err() => {
-                bytes.clear()
+            _ if readable => {
+                if mem::read_mapped_into(pid, copy.sp, copy.len, &mut bytes).is_err() {
+                    bytes.clear();
+                }
+                true
             }
-            _ => {}
+            _ => false,
+        };
+        if unfinished {
+            // The routine may still run (a signal handler interrupted it and
+            // will return into it) and write the buffer: no new copy goes
+            // there until it has counted this one done.
+            if let Some(thread) = self.family.threads.get_mut(&tid) {
+                thread.unfinished_copy = Some((copy.buffer, copy.seq));
+            }
         }
         self.fill(tid, copy.into, bytes, Some(copy));
     }

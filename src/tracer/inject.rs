@@ -9,6 +9,7 @@
 use std::io;
 
 use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::shared::{self, SharedMemory};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
@@ -78,6 +79,70 @@ pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected,
         value: result,
         signals,
     })
+}
+
+/// Make `len` bytes of memory shared between the process of the stopped
+/// thread `tid` and memptrace: a memfd made in the target (`name` is a
+/// NUL-terminated name in its memory), mapped there `MAP_SHARED` (at `at`,
+/// replacing what is there, or where the kernel likes), taken here with
+/// `pidfd_getfd` (see [`crate::os::shared`]: no privilege beyond ptrace
+/// rights), and closed in the target. Returns its address in the target and
+/// memptrace's mapping; signals that arrived meanwhile go to `signals`.
+pub fn shared_memory(
+    pid: Tid,
+    tid: Tid,
+    insn: u64,
+    name: u64,
+    len: u64,
+    at: Option<u64>,
+    signals: &mut Vec<i32>,
+) -> Result<(u64, SharedMemory), SharedError> {
+    let mut call = |nr: i64, args: [u64; 6]| -> Result<u64, InjectError> {
+        let done = syscall(tid, insn, nr as u64, args)?;
+        signals.extend(done.signals);
+        Ok(done.value)
+    };
+    let fd = call(
+        libc::SYS_memfd_create,
+        [name, libc::MFD_CLOEXEC as u64, 0, 0, 0, 0],
+    )?;
+    let made = (|| -> Result<(u64, SharedMemory), SharedError> {
+        call(libc::SYS_ftruncate, [fd, len, 0, 0, 0, 0])?;
+        let flags = match at {
+            Some(_) => libc::MAP_SHARED | libc::MAP_FIXED,
+            None => libc::MAP_SHARED,
+        };
+        let remote = call(
+            libc::SYS_mmap,
+            [
+                at.unwrap_or(0),
+                len,
+                (libc::PROT_READ | libc::PROT_WRITE) as u64,
+                (flags | libc::MAP_NORESERVE) as u64,
+                fd,
+                0,
+            ],
+        )?;
+        let local = shared::take_fd(pid, fd as i32)
+            .and_then(|owned| SharedMemory::map(&owned, len as usize));
+        match local {
+            Ok(mem) => Ok((remote, mem)),
+            Err(err) => {
+                let _ = call(libc::SYS_munmap, [remote, len, 0, 0, 0, 0]);
+                Err(err.into())
+            }
+        }
+    })();
+    let _ = call(libc::SYS_close, [fd, 0, 0, 0, 0, 0]);
+    made
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SharedError {
+    #[error("cannot make the shared memory in the target")]
+    Inject(#[from] InjectError),
+    #[error("cannot map the target's shared memory here")]
+    Map(#[from] io::Error),
 }
 
 /// mmap an anonymous read+execute page range at exactly `addr`.

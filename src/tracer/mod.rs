@@ -122,6 +122,9 @@ pub struct TraceStats {
     /// Stack walks of jump probes that ran into unmapped memory (the stack
     /// ends there; the program never saw the fault).
     pub walk_faults: u64,
+    /// Times a thread found its ring full and waited for memptrace to read
+    /// it (jump probes): the program waits, no call is dropped.
+    pub ring_waits: u64,
     /// Images found, and the allocator functions hooked in them.
     pub images: u64,
     pub hooked_functions: u64,

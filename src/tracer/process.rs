@@ -104,6 +104,9 @@ pub struct Thread {
     pub start_ns: u64,
     /// A stack copy the thread was sent to make, not taken yet.
     pub copy: Option<PendingCopy>,
+    /// A copy taken at a stop before the thread's routine was done with it
+    /// (buffer, number): the routine may still write the buffer.
+    pub unfinished_copy: Option<(usize, u64)>,
 }
 
 impl Thread {
@@ -114,6 +117,7 @@ impl Thread {
             stack: None,
             start_ns,
             copy: None,
+            unfinished_copy: None,
         }
     }
 }

@@ -233,9 +233,10 @@ impl Tracer {
             .get(&pid)
             .and_then(|p| p.space.as_ref()?.control());
         if let Some(c) = control {
-            let (nested, abandoned) = c.live_counts();
+            let (nested, abandoned, waits) = c.live_counts();
             self.stats.nested_calls += c.nested + nested;
             self.stats.lost_returns += c.abandoned + abandoned;
+            self.stats.ring_waits += c.waits + waits;
         }
     }
 }

@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 
-use crate::os::mem::SharedMapping;
 use crate::os::ptrace::Tid;
+use crate::os::shared::SharedMemory;
 
 /// Bytes of stack copied per call for framehop (less at the top of a stack).
 pub const STACK_COPY: u64 = 32 * 1024;
@@ -62,7 +62,7 @@ pub fn in_copy(rip: u64, routine: u64) -> Option<InCopy> {
 /// from the shared mapping once the thread has counted it done, or, if the
 /// thread stops before that, with process_vm_readv then.
 pub struct StackBuffers {
-    map: SharedMapping,
+    map: SharedMemory,
     /// Start of the mapping in the target.
     remote: u64,
     /// Address of the copy routine in the target.
@@ -114,7 +114,7 @@ impl StackBuffers {
     /// copy that will never be made (the routine faulted and the thread was
     /// sent past it), so that "done" keeps meaning done.
     pub fn resync(&mut self, buffer: usize) {
-        self.issued[buffer] = self.map.read_u64_acquire(buffer * BUFFER_STRIDE as usize);
+        self.issued[buffer] = self.map.load(buffer as u64 * BUFFER_STRIDE);
     }
 
     /// [`StackBuffers::resync`] the buffer of thread `tid`.
@@ -126,14 +126,14 @@ impl StackBuffers {
 
     /// True when the thread has made copy `seq` of `buffer`.
     pub fn done(&self, buffer: usize, seq: u64) -> bool {
-        let counted = self.map.read_u64_acquire(buffer * BUFFER_STRIDE as usize);
+        let counted = self.map.load(buffer as u64 * BUFFER_STRIDE);
         counted.wrapping_sub(seq) as i64 >= 0
     }
 
     /// Append the first `len` bytes of `buffer` to `out`.
     pub fn copy_out(&self, buffer: usize, len: usize, out: &mut Vec<u8>) {
         let at = buffer * BUFFER_STRIDE as usize + COPY_HEADER as usize;
-        self.map.copy_out(at, len, out);
+        self.map.copy_out(at as u64, len, out);
     }
 
     /// A thread is gone: its buffer serves the next one.
@@ -147,7 +147,7 @@ impl StackBuffers {
 impl StackBuffers {
     /// Buffers in `map` (the target's mapping at `remote`), the copy routine
     /// at `routine`.
-    pub fn new(map: SharedMapping, remote: u64, routine: u64) -> StackBuffers {
+    pub fn new(map: SharedMemory, remote: u64, routine: u64) -> StackBuffers {
         StackBuffers {
             map,
             remote,

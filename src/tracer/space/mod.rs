@@ -26,7 +26,7 @@ use super::probes::{Hook, HookKind, Hooks, Probe};
 use crate::addr::Svma;
 use crate::event::Op;
 use crate::memory::Memory;
-use crate::os::mem::{CodeWriter, SharedMapping};
+use crate::os::mem::CodeWriter;
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::{Regs, Tid};
 use crate::unwind::tables;
@@ -232,7 +232,7 @@ impl Space {
             .name_in_target(tid, signals)
             .map_err(|e| e.to_string())?;
         let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
@@ -349,8 +349,9 @@ impl Space {
         Ok(Some(module))
     }
 
-    /// Map the stack buffers in the target (an injected mmap), here too
-    /// (/proc/PID/map_files), and write the copy routine into a free slot.
+    /// Make the stack buffers, shared between the target and memptrace
+    /// (see [`inject::shared_memory`]), and write the copy routine into a
+    /// free slot.
     fn set_up_buffers(&mut self, tid: Tid, signals: &mut Vec<i32>) -> Result<(), SpaceError> {
         let routine = self
             .areas
@@ -359,24 +360,11 @@ impl Space {
         let insn = self
             .syscall_insn()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+        let name = self.name_in_target(tid, signals)?;
         let len = BUFFERS as u64 * BUFFER_STRIDE;
-        let prot = (libc::PROT_READ | libc::PROT_WRITE) as u64;
-        let flags = (libc::MAP_SHARED | libc::MAP_ANONYMOUS) as u64;
-        let done = inject::syscall(
-            tid,
-            insn,
-            libc::SYS_mmap as u64,
-            [0, len, prot, flags, u64::MAX, 0],
-        )?;
-        signals.extend(done.signals);
-        let remote = done.value;
+        let (remote, map) = inject::shared_memory(self.pid, tid, insn, name, len, None, signals)
+            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
         self.shared = Some(remote..remote + len);
-        let map = SharedMapping::open(self.pid, remote, remote + len).map_err(|err| {
-            io::Error::new(
-                err.kind(),
-                format!("cannot map the target's stack buffers (/proc/PID/map_files needs CAP_SYS_ADMIN): {err}"),
-            )
-        })?;
         self.mem.write(routine, &COPY_ROUTINE)?;
         self.buffers = Some(StackBuffers::new(map, remote, routine));
         Ok(())
@@ -399,7 +387,7 @@ impl Space {
         let name = self.room_near(tid, near, maps, 16, signals)?;
         self.mem.write(name, b"memptrace\0")?;
         let control = Control::create(self.pid, tid, insn, name, None, signals)
-            .map_err(|e| io::Error::other(e.to_string()))?;
+            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
         }

@@ -380,6 +380,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // start over.
     a.set_label(&mut l.wait_room)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+    a.inc(qword_ptr(r10 + slot::WAITS as i32))?;
     a.mov(qword_ptr(r10 + slot::WAITING as i32), 1)?;
     a.push(rdi)?;
     a.push(rsi)?;

@@ -3,23 +3,16 @@
 //! tables and their directory, the threads' slots, and the rings read back.
 
 use std::collections::BTreeMap;
-use std::io;
 use std::ops::Range;
 
 use super::layout::{self, dir, record, slot};
 use crate::event::Op;
 use crate::os::ptrace::Tid;
-use crate::os::shared::{self, SharedMemory};
-use crate::tracer::inject::{self, InjectError};
+use crate::os::shared::SharedMemory;
+use crate::tracer::inject;
 use crate::unwind::tables::UnwindTable;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ControlError {
-    #[error("cannot make the shared memory in the target: {0}")]
-    Inject(#[from] InjectError),
-    #[error("cannot map the target's shared memory here: {0}")]
-    Map(#[from] io::Error),
-}
+pub use inject::SharedError as ControlError;
 
 /// One committed record, as read from a ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,10 +52,12 @@ pub struct Control {
     images: BTreeMap<u64, Entry>,
     /// The directory written last (of `DIR_COUNT`, used in turn).
     dir_turn: u64,
-    /// Calls not recorded (nested, or in a handler inside a probe) and
-    /// outermost calls left by a longjmp, of slots given up so far.
+    /// Calls not recorded (nested, or in a handler inside a probe),
+    /// outermost calls left by a longjmp, and waits for room in a full
+    /// ring, of slots given up so far.
     pub nested: u64,
     pub abandoned: u64,
+    pub waits: u64,
 }
 
 impl Control {
@@ -79,44 +74,8 @@ impl Control {
         at: Option<u64>,
         signals: &mut Vec<i32>,
     ) -> Result<Control, ControlError> {
-        let mut call = |nr: i64, args: [u64; 6]| -> Result<u64, InjectError> {
-            let done = inject::syscall(tid, insn, nr as u64, args)?;
-            signals.extend(done.signals);
-            Ok(done.value)
-        };
-        let fd = call(
-            libc::SYS_memfd_create,
-            [name, libc::MFD_CLOEXEC as u64, 0, 0, 0, 0],
-        )?;
-        let made = (|| -> Result<(u64, SharedMemory), ControlError> {
-            call(libc::SYS_ftruncate, [fd, layout::AREA_SIZE, 0, 0, 0, 0])?;
-            let flags = match at {
-                Some(_) => libc::MAP_SHARED | libc::MAP_FIXED,
-                None => libc::MAP_SHARED,
-            };
-            let remote = call(
-                libc::SYS_mmap,
-                [
-                    at.unwrap_or(0),
-                    layout::AREA_SIZE,
-                    (libc::PROT_READ | libc::PROT_WRITE) as u64,
-                    (flags | libc::MAP_NORESERVE) as u64,
-                    fd,
-                    0,
-                ],
-            )?;
-            let local = shared::take_fd(pid, fd as i32)
-                .and_then(|owned| SharedMemory::map(&owned, layout::AREA_SIZE as usize));
-            match local {
-                Ok(mem) => Ok((remote, mem)),
-                Err(err) => {
-                    let _ = call(libc::SYS_munmap, [remote, layout::AREA_SIZE, 0, 0, 0, 0]);
-                    Err(err.into())
-                }
-            }
-        })();
-        let _ = call(libc::SYS_close, [fd, 0, 0, 0, 0, 0]);
-        let (remote, mem) = made?;
+        let (remote, mem) =
+            inject::shared_memory(pid, tid, insn, name, layout::AREA_SIZE, at, signals)?;
         let mut control = Control {
             remote,
             mem,
@@ -126,6 +85,7 @@ impl Control {
             dir_turn: 0,
             nested: 0,
             abandoned: 0,
+            waits: 0,
         };
         control.mem.store(layout::MAGIC, layout::MAGIC_VALUE);
         control.mem.store(layout::WAIT_TIMESPEC + 8, 1_000_000);
@@ -260,8 +220,10 @@ impl Control {
     pub fn release(&mut self, i: usize) {
         self.nested += self.mem.load(Self::slot_at(i, slot::NESTED));
         self.abandoned += self.mem.load(Self::slot_at(i, slot::ABANDONED));
-        self.mem.store(Self::slot_at(i, slot::NESTED), 0);
-        self.mem.store(Self::slot_at(i, slot::ABANDONED), 0);
+        self.waits += self.mem.load(Self::slot_at(i, slot::WAITS));
+        for field in [slot::NESTED, slot::ABANDONED, slot::WAITS] {
+            self.mem.store(Self::slot_at(i, field), 0);
+        }
         self.mem.store(Self::slot_at(i, slot::KEY), 0);
         self.owners[i] = None;
     }
@@ -283,15 +245,19 @@ impl Control {
         }
     }
 
-    /// Calls not recorded so far in slots still in use, and outermost calls
-    /// left by a longjmp.
-    pub fn live_counts(&self) -> (u64, u64) {
-        self.used_slots().iter().fold((0, 0), |(n, a), &(i, _)| {
-            (
-                n + self.mem.load(Self::slot_at(i, slot::NESTED)),
-                a + self.mem.load(Self::slot_at(i, slot::ABANDONED)),
-            )
-        })
+    /// Calls not recorded, outermost calls left by a longjmp, and waits
+    /// for room, counted so far in slots still in use.
+    pub fn live_counts(&self) -> (u64, u64, u64) {
+        self.used_slots()
+            .iter()
+            .fold((0, 0, 0), |(n, a, w), &(i, _)| {
+                let count = |field| self.mem.load(Self::slot_at(i, field));
+                (
+                    n + count(slot::NESTED),
+                    a + count(slot::ABANDONED),
+                    w + count(slot::WAITS),
+                )
+            })
     }
 
     /// Read slot `i`'s committed records (owned by `tid`) into `out`, free

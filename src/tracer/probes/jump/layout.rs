@@ -77,6 +77,8 @@ pub mod slot {
     pub const HEAD: u64 = 128;
     /// Set by a thread waiting for room in its ring (memptrace wakes it).
     pub const WAITING: u64 = 136;
+    /// Times the thread found its ring full and waited for memptrace.
+    pub const WAITS: u64 = 144;
     /// Bytes of records memptrace has taken, ever (written by memptrace).
     pub const TAIL: u64 = 192;
 }
