@@ -131,6 +131,21 @@ impl SharedMemory {
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), buf.as_mut_ptr(), buf.len()) }
     }
 
+    /// Copy out `out.len()` words at `offset` (memory the target finished
+    /// writing; x86-64 is little-endian, as the words are).
+    pub fn read_words(&self, offset: u64, out: &mut [u64]) {
+        let offset = offset as usize;
+        assert!(offset % 8 == 0 && offset + 8 * out.len() <= self.len);
+        // SAFETY: in bounds and aligned (checked); plain words.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.add(offset) as *const u64,
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        }
+    }
+
     /// Append `len` bytes at `offset` to `out` (memory the target finished
     /// writing).
     pub fn copy_out(&self, offset: u64, len: usize, out: &mut Vec<u8>) {

@@ -2,37 +2,19 @@
 //! and each distinct code address once, however many events share them. A
 //! trace's memory grows with its distinct stacks, not with its events.
 
-use std::hash::{BuildHasher, Hash, Hasher};
-
-use rustc_hash::{FxBuildHasher, FxHashMap};
+use rustc_hash::FxHashMap;
 
 use crate::sink::{FrameRecord, Record, StackNode, Trust};
 
 /// Interns frames (unique `(module, ip)`) and trie nodes (unique
-/// `(parent, frame, trust)`), emitting a record for each new one. A program
-/// makes the same few stacks over and over: each whole stack seen is
-/// remembered with its leaf, so most calls cost one hash of their addresses.
+/// `(parent, frame, trust)`), emitting a record for each new one.
 #[derive(Default)]
 pub struct Interner {
     frame_ids: FxHashMap<(u64, u64), u64>,
     node_ids: FxHashMap<(u64, u64, Trust), u64>,
-    /// Whole stacks seen, by hash of (context, addresses, trust): the
-    /// context, addresses and trust, and the leaf node.
-    stacks: FxHashMap<u64, Remembered>,
     frames: Vec<FrameRecord>,
     nodes: u64,
 }
-
-/// A whole stack seen, and its leaf.
-struct Remembered {
-    context: u64,
-    ips: Box<[u64]>,
-    trust: Box<[Trust]>,
-    leaf: u64,
-}
-
-/// Whole stacks remembered at most (then the cache starts again).
-const STACK_CACHE: usize = 1 << 20;
 
 /// Key for addresses outside every known module.
 const NO_MODULE: u64 = u64::MAX;
@@ -46,43 +28,8 @@ impl Interner {
     /// (`trust[i]` for `ips[i]`; missing entries count as exact); returns its
     /// leaf node (the innermost frame), or `None` for an empty stack. New
     /// frames and nodes are appended to `out` before the caller uses the
-    /// returned id. `context` tells apart the same addresses in different
-    /// address spaces (a process id).
+    /// returned id.
     pub fn intern(
-        &mut self,
-        context: u64,
-        ips: &[u64],
-        trust: &[Trust],
-        module_of: impl Fn(u64) -> Option<u64>,
-        out: &mut Vec<Record>,
-    ) -> Option<u64> {
-        let key = {
-            let mut h = FxBuildHasher.build_hasher();
-            context.hash(&mut h);
-            ips.hash(&mut h);
-            trust.hash(&mut h);
-            h.finish()
-        };
-        if let Some(seen) = self.stacks.get(&key) {
-            if seen.context == context && *seen.ips == *ips && *seen.trust == *trust {
-                return Some(seen.leaf);
-            }
-        }
-        let leaf = self.intern_frames(ips, trust, module_of, out)?;
-        if self.stacks.len() >= STACK_CACHE {
-            self.stacks.clear();
-        }
-        let seen = Remembered {
-            context,
-            ips: ips.into(),
-            trust: trust.into(),
-            leaf,
-        };
-        self.stacks.insert(key, seen);
-        Some(leaf)
-    }
-
-    fn intern_frames(
         &mut self,
         ips: &[u64],
         trust: &[Trust],
@@ -129,15 +76,6 @@ impl Interner {
         (parent != 0).then_some(parent)
     }
 
-    /// Forget the whole stacks of `context` (a process that is gone: its
-    /// number may come back with other images), or of every context.
-    pub fn forget_stacks(&mut self, context: Option<u64>) {
-        match context {
-            Some(context) => self.stacks.retain(|_, seen| seen.context != context),
-            None => self.stacks.clear(),
-        }
-    }
-
     /// Every frame interned so far, by id order.
     pub fn frames(&self) -> &[FrameRecord] {
         &self.frames
@@ -159,16 +97,16 @@ mod tests {
         let module = |ip: u64| (ip >= 0x1000).then_some(7);
         // innermost first: leaf 0x1003 called from 0x1002, from 0x1001 (outermost).
         let a = interner
-            .intern(1, &[0x1003, 0x1002, 0x1001], &[], module, &mut out)
+            .intern(&[0x1003, 0x1002, 0x1001], &[], module, &mut out)
             .unwrap();
         assert_eq!(out.len(), 6, "three frames, three nodes");
         let b = interner
-            .intern(1, &[0x1004, 0x1002, 0x1001], &[], module, &mut out)
+            .intern(&[0x1004, 0x1002, 0x1001], &[], module, &mut out)
             .unwrap();
         assert_eq!(out.len(), 8, "one new frame, one new node");
         assert_ne!(a, b);
         let again = interner
-            .intern(1, &[0x1003, 0x1002, 0x1001], &[], module, &mut out)
+            .intern(&[0x1003, 0x1002, 0x1001], &[], module, &mut out)
             .unwrap();
         assert_eq!(again, a);
         assert_eq!(out.len(), 8);
@@ -187,6 +125,6 @@ mod tests {
         let leaf_frame = &interner.frames()[leaf.frame_id as usize - 1];
         assert_eq!(leaf_frame.ip, 0x1003);
         assert_eq!(leaf_frame.module_id, Some(7));
-        assert_eq!(interner.intern(1, &[], &[], module, &mut out), None);
+        assert_eq!(interner.intern(&[], &[], module, &mut out), None);
     }
 }

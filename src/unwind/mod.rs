@@ -69,7 +69,7 @@ pub trait Unwinder {
 }
 
 /// Why an unwinder stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WalkEnd {
     /// At the outermost frame (CFI that says there is no caller, a zero
     /// return address or frame pointer: the ABI's end of the chain), or at

@@ -16,6 +16,80 @@ use crate::addr::Avma;
 use crate::event::Event;
 use crate::sink::{FrameRecord, ModuleRecord, Record, RecordSender, SinkError};
 
+/// Whole stacks seen (see `Pipeline::call`), by a hash of what the
+/// unwinder returned.
+#[derive(Default)]
+struct StackCache {
+    stacks: rustc_hash::FxHashMap<u64, SeenStack>,
+}
+
+/// A whole stack seen, and what became of it.
+struct SeenStack {
+    pid: u32,
+    ips: Box<[u64]>,
+    caller: u64,
+    end: WalkEnd,
+    truncated: bool,
+    leaf: Option<u64>,
+}
+
+/// Stacks remembered at most (then the cache starts again).
+const STACK_CACHE: usize = 1 << 20;
+
+impl StackCache {
+    fn key(pid: u32, ips: &[u64], caller: u64, end: WalkEnd) -> u64 {
+        use std::hash::BuildHasher;
+        rustc_hash::FxBuildHasher.hash_one((pid, ips, caller, end))
+    }
+
+    fn get(
+        &self,
+        key: u64,
+        pid: u32,
+        ips: &[u64],
+        caller: u64,
+        end: WalkEnd,
+    ) -> Option<&SeenStack> {
+        self.stacks
+            .get(&key)
+            .filter(|s| s.pid == pid && *s.ips == *ips && s.caller == caller && s.end == end)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert(
+        &mut self,
+        key: u64,
+        pid: u32,
+        ips: Vec<u64>,
+        caller: u64,
+        end: WalkEnd,
+        truncated: bool,
+        leaf: Option<u64>,
+    ) {
+        if self.stacks.len() >= STACK_CACHE {
+            self.stacks.clear();
+        }
+        let seen = SeenStack {
+            pid,
+            ips: ips.into(),
+            caller,
+            end,
+            truncated,
+            leaf,
+        };
+        self.stacks.insert(key, seen);
+    }
+
+    /// Forget the stacks of process `pid` (gone: its number may come back
+    /// with other images), or every stack (an image went).
+    fn forget(&mut self, pid: Option<u32>) {
+        match pid {
+            Some(pid) => self.stacks.retain(|_, s| s.pid != pid),
+            None => self.stacks.clear(),
+        }
+    }
+}
+
 /// A call as the tracer saw it, before unwinding.
 #[derive(Debug)]
 pub struct RawCall {
@@ -100,7 +174,11 @@ struct Pipeline {
     ips: Vec<u64>,
     trust: Vec<Trust>,
     /// Frames found to be return addresses (see [`vet`]).
-    known: std::collections::HashSet<(u64, u64)>,
+    known: rustc_hash::FxHashSet<(u64, u64)>,
+    /// Whole stacks as unwound, and what became of them: a program makes
+    /// the same few stacks over and over, and then a call costs one hash of
+    /// its addresses, not a check and a lookup per frame.
+    seen: StackCache,
     /// `meta` keys written by the pipeline.
     meta_written: std::collections::HashSet<String>,
 }
@@ -136,6 +214,7 @@ impl PipelineHandle {
             ips: Vec::with_capacity(max_depth),
             trust: Vec::with_capacity(max_depth),
             known: Default::default(),
+            seen: StackCache::default(),
             meta_written: Default::default(),
         };
         let thread = std::thread::Builder::new()
@@ -233,11 +312,11 @@ impl Pipeline {
                     ts_ns,
                 });
                 // Its addresses may serve another image from now on.
-                self.interner.forget_stacks(None);
+                self.seen.forget(None);
             }
             TraceMsg::ProcessGone { pid } => {
                 self.processes.remove(&pid);
-                self.interner.forget_stacks(Some(u64::from(pid)));
+                self.seen.forget(Some(pid));
             }
             TraceMsg::Record(record) => self.out.push(record),
             TraceMsg::Call(call) => self.call(*call),
@@ -275,6 +354,21 @@ impl Pipeline {
                 sample.ip
             }
         };
+        // A release of a block not known to be live is looked at whole (it
+        // may be the allocator's housekeeping); every other call whose
+        // stack was seen before is done.
+        let key = (!unmatched_release && self.stacks)
+            .then(|| StackCache::key(pid, &self.ips, caller, end));
+        if let Some(seen) = key.and_then(|k| self.seen.get(k, pid, &self.ips, caller, end)) {
+            if seen.truncated {
+                self.result.truncated_stacks += 1;
+            }
+            event.stack_id = seen.leaf;
+            self.result.events += 1;
+            self.out.push(Record::Event(event));
+            return;
+        }
+        let raw = key.map(|_| self.ips.clone());
         let images = self.processes.get(&pid);
         let image_at = |ip| images.and_then(|p| p.image_at(ip));
         let cut = vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
@@ -296,18 +390,19 @@ impl Pipeline {
             if self.ips.is_empty() && caller != 0 {
                 self.ips.push(caller);
             }
-            if truncated && !self.ips.is_empty() {
+            let truncated = truncated && !self.ips.is_empty();
+            if truncated {
                 self.result.truncated_stacks += 1;
             }
             let images = self.processes.get(&pid);
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
-            event.stack_id = self.interner.intern(
-                u64::from(pid),
-                &self.ips,
-                &self.trust,
-                module_of,
-                &mut self.out,
-            );
+            event.stack_id = self
+                .interner
+                .intern(&self.ips, &self.trust, module_of, &mut self.out);
+            if let (Some(key), Some(raw)) = (key, raw) {
+                self.seen
+                    .insert(key, pid, raw, caller, end, truncated, event.stack_id);
+            }
         }
         self.result.events += 1;
         self.out.push(Record::Event(event));

@@ -13,8 +13,6 @@
 //! (breakpad: "found by call frame info", "found by previous frame's frame
 //! pointer").
 
-use std::collections::HashSet;
-
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 
 use super::MappedImage;
@@ -33,7 +31,7 @@ const SIGRETURN: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05
 pub fn vet<'a>(
     ips: &mut Vec<u64>,
     trust: &mut Vec<Trust>,
-    known: &mut HashSet<(u64, u64)>,
+    known: &mut rustc_hash::FxHashSet<(u64, u64)>,
     image_at: impl Fn(u64) -> Option<&'a MappedImage>,
 ) -> bool {
     trust.clear();

@@ -281,8 +281,8 @@ impl Control {
             if size < layout::RECORD_HEADER || frames > layout::MAX_FRAMES as usize {
                 break; // cannot happen: the probe writes whole records
             }
-            let mut bytes = vec![0u8; frames * 8];
-            self.mem.read(at + record::FRAMES, &mut bytes);
+            let mut words = vec![0u64; frames];
+            self.mem.read_words(at + record::FRAMES, &mut words);
             if let Some(op) = Op::from_code((h >> 40) as u8) {
                 out.push(Record {
                     seq: word(record::SEQ),
@@ -294,10 +294,7 @@ impl Control {
                     args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
                     ret: word(record::RET),
                     stored: word(record::STORED),
-                    frames: bytes
-                        .chunks_exact(8)
-                        .map(|w| u64::from_le_bytes(w.try_into().expect("8")))
-                        .collect(),
+                    frames: words,
                 });
             }
             tail += size;
