@@ -163,6 +163,18 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.mov(ebx, spec.max_frames.clamp(1, layout::MAX_FRAMES) as u32)?;
     a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
     a.xor(ebp, ebp)?;
+    // The thread's cache of rules holds for one directory: when images came
+    // or went since it was filled, it starts empty.
+    a.mov(rax, spec.control + layout::DIRECTORY)?;
+    a.mov(rax, qword_ptr(rax))?;
+    a.cmp(rax, qword_ptr(r10 + slot::CACHE_DIR as i32))?;
+    a.je(l.cache_ok)?;
+    a.mov(qword_ptr(r10 + slot::CACHE_DIR as i32), rax)?;
+    a.mov(rdi, qword_ptr(r10 + slot::CACHE as i32))?;
+    a.mov(ecx, (layout::CACHE_SIZE / 8) as u32)?;
+    a.xor(eax, eax)?;
+    a.rep().stosq()?;
+    a.set_label(&mut l.cache_ok)?;
     a.lea(rcx, qword_ptr(rsp + SAVED))?;
     a.cmp(rcx, qword_ptr(r10 + slot::STACK_LO as i32))?;
     a.jb(l.only_caller)?;
@@ -174,6 +186,14 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.add(r15, 8)?;
     a.dec(rbx)?;
     a.jz(l.full)?;
+    // The rule for ip: from the thread's cache of the return addresses it
+    // met (stacks repeat), else from the directory and the image's table.
+    cache_entry(&mut a, rdx)?;
+    a.cmp(qword_ptr(rdx), r12)?;
+    a.jne(l.lookup)?;
+    a.mov(eax, dword_ptr(rdx + 8))?;
+    a.jmp(l.have_rule)?;
+    a.set_label(&mut l.lookup)?;
     // The image: the last directory entry starting at or below ip.
     a.mov(rdi, spec.control + layout::DIRECTORY)?;
     a.mov(rdi, qword_ptr(rdi))?;
@@ -198,16 +218,22 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.mov(rcx, rdx)?;
     a.jmp(l.dir_loop)?;
     a.set_label(&mut l.dir_end)?;
+    // Outside every image: the stack ends (memptrace would not take such a
+    // frame anyway).
+    a.mov(eax, rule::UNSUPPORTED)?;
     a.test(rsi, rsi)?;
-    a.jz(l.truncated)?;
+    a.jz(l.found_rule)?;
     a.cmp(r12, qword_ptr(rsi + dir::END as i32))?;
-    a.jae(l.truncated)?;
+    a.jae(l.found_rule)?;
     // The row: the last key at or below the call's SVMA (ip - 1 - bias).
     a.lea(rax, qword_ptr(r12 - 1))?;
     a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
     a.mov(rdx, rax)?;
     a.shr(rdx, 32)?;
-    a.jnz(l.truncated)?;
+    a.mov(eax, rule::UNSUPPORTED)?;
+    a.jnz(l.found_rule)?;
+    a.lea(rax, qword_ptr(r12 - 1))?;
+    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
     a.mov(r9, rax)?;
     a.mov(rdi, qword_ptr(rsi + dir::KEYS as i32))?;
     a.mov(rcx, qword_ptr(rsi + dir::ROWS as i32))?;
@@ -232,9 +258,16 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.jmp(l.key_loop)?;
     a.set_label(&mut l.key_end)?;
     a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
+    // Before the image's first row: no CFI.
+    a.mov(eax, rule::NONE)?;
     a.test(rsi, rsi)?;
-    a.jz(l.frame_pointer)?; // before the image's first row: no CFI
+    a.jz(l.found_rule)?;
     a.mov(eax, dword_ptr(rsi + r8))?;
+    a.set_label(&mut l.found_rule)?;
+    cache_entry(&mut a, rdx)?;
+    a.mov(qword_ptr(rdx), r12)?;
+    a.mov(dword_ptr(rdx + 8), eax)?;
+    a.set_label(&mut l.have_rule)?;
     a.cmp(eax, rule::END as i32)?;
     a.je(l.walked)?; // the outermost frame: the stack is whole
     a.cmp(eax, rule::NONE as i32)?;
@@ -480,6 +513,18 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     Ok(())
 }
 
+/// `reg` = the entry of the thread's rule cache (r10: its slot) for the
+/// return address in r12: (address, rule), 16 bytes, direct-mapped by a
+/// Fibonacci hash.
+fn cache_entry(a: &mut CodeAssembler, reg: AsmRegister64) -> Result<(), IcedError> {
+    a.mov(reg, layout::HASH)?;
+    a.imul_2(reg, r12)?;
+    a.shr(reg, 64 - layout::CACHE_BITS)?;
+    a.shl(reg, 4)?;
+    a.add(reg, qword_ptr(r10 + slot::CACHE as i32))?;
+    Ok(())
+}
+
 /// The labels of a probe.
 struct Labels {
     entry: CodeLabel,
@@ -497,6 +542,10 @@ struct Labels {
     key_end: CodeLabel,
     keep_bp: CodeLabel,
     frame_pointer: CodeLabel,
+    cache_ok: CodeLabel,
+    lookup: CodeLabel,
+    found_rule: CodeLabel,
+    have_rule: CodeLabel,
     truncated: CodeLabel,
     full: CodeLabel,
     walked: CodeLabel,
@@ -532,6 +581,10 @@ impl Labels {
             key_end: a.create_label(),
             keep_bp: a.create_label(),
             frame_pointer: a.create_label(),
+            cache_ok: a.create_label(),
+            lookup: a.create_label(),
+            found_rule: a.create_label(),
+            have_rule: a.create_label(),
             truncated: a.create_label(),
             full: a.create_label(),
             walked: a.create_label(),

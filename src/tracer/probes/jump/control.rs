@@ -194,6 +194,12 @@ impl Control {
             field(slot::RING),
             self.remote + layout::ring_offset(i as u64),
         );
+        self.mem.store(
+            field(slot::CACHE),
+            self.remote + layout::cache_offset(i as u64),
+        );
+        // An impossible directory: the thread empties its cache first.
+        self.mem.store(field(slot::CACHE_DIR), u64::MAX);
         for f in [slot::BUSY, slot::PENDING_SP, slot::WAITING] {
             self.mem.store(field(f), 0);
         }

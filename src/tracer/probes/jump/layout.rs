@@ -79,6 +79,10 @@ pub mod slot {
     pub const WAITING: u64 = 136;
     /// Times the thread found its ring full and waited for memptrace.
     pub const WAITS: u64 = 144;
+    /// Address of the thread's cache of unwind rules (written by memptrace).
+    pub const CACHE: u64 = 40;
+    /// The directory the cache was filled under (written by the thread).
+    pub const CACHE_DIR: u64 = 152;
     /// Bytes of records memptrace has taken, ever (written by memptrace).
     pub const TAIL: u64 = 192;
 }
@@ -120,8 +124,15 @@ pub const MAX_RECORD: u64 = RECORD_HEADER + MAX_FRAMES * 8;
 /// page, to keep rings page-aligned).
 pub const RING_STRIDE: u64 = RING_SIZE + MAX_RECORD.next_multiple_of(4096);
 
+/// Rule caches: one per slot, `CACHE_SIZE` bytes of (return address,
+/// rule) entries, direct-mapped: a thread's stacks repeat, and a hit costs
+/// a hash and a compare where a miss searches the directory and a table.
+pub const CACHES: u64 = RINGS + (SLOTS + PROBES) * RING_STRIDE;
+pub const CACHE_BITS: u32 = 9;
+pub const CACHE_SIZE: u64 = 16 << CACHE_BITS;
+
 /// The whole area.
-pub const AREA_SIZE: u64 = RINGS + (SLOTS + PROBES) * RING_STRIDE;
+pub const AREA_SIZE: u64 = CACHES + (SLOTS + PROBES) * CACHE_SIZE;
 
 /// Record fields (8-byte aligned, [`RECORD_HEADER`] bytes, then the frames).
 pub mod record {
@@ -167,6 +178,10 @@ pub fn slot_offset(i: u64) -> u64 {
 
 pub fn ring_offset(i: u64) -> u64 {
     RINGS + i * RING_STRIDE
+}
+
+pub fn cache_offset(i: u64) -> u64 {
+    CACHES + i * CACHE_SIZE
 }
 
 #[cfg(test)]

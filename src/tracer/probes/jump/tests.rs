@@ -57,6 +57,11 @@ impl Rig {
             slot + slot::RING as usize,
             control.addr() + layout::ring_offset(i),
         );
+        control.write_u64(
+            slot + slot::CACHE as usize,
+            control.addr() + layout::cache_offset(i),
+        );
+        control.write_u64(slot + slot::CACHE_DIR as usize, u64::MAX);
         control.write_u64(slot + slot::KEY as usize, layout::key_of(tp));
 
         let rig = Rig {
@@ -277,8 +282,15 @@ fn walks_the_stack_with_the_unwind_table() {
         (c + 0x20, rule::NONE),
     ]);
     assert_eq!(rig.call(CALLER, 3, 0, 0), 0x1003);
+    // Again: the rules come from the thread's cache this time.
+    assert_eq!(rig.call(CALLER, 4, 0, 0), 0x1004);
     let records = rig.records();
-    assert_eq!(records.len(), 1);
+    assert_eq!(records.len(), 2);
+    // The same frames, but for the test's own return address (another
+    // call site in this function).
+    assert_eq!(records[0].frames.len(), records[1].frames.len());
+    assert_eq!(records[0].frames[0], records[1].frames[0]);
+    assert_eq!(records[0].flags, records[1].flags);
     let r = &records[0];
     let code = rig.code.addr()..rig.code.addr() + rig.code.len() as u64;
     // The caller's return address into CALLER, then the one into the test
