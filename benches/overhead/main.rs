@@ -87,8 +87,8 @@ const FULL: Plan = Plan {
     single_libunwind: 20_000,
     threads: 4,
     multi: 25_000,
-    // About 1.5 M and 0.8 M allocator calls; int3 probes get about 0.3 M
-    // and 0.2 M (a stop costs some 20 µs here).
+    // About 1.5 M and 0.8 M allocator calls; int3 probes get about 0.30 M
+    // and 0.16 M (a stop costs some 20 µs here).
     shell_rows: Sizes {
         full: 100_000,
         int3: 20_000,
