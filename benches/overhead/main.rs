@@ -134,8 +134,9 @@ const SMOKE: Plan = Plan {
     single_libunwind: 50,
     threads: 2,
     multi: 100,
+    // Two inputs for the shell, as in the full run.
     shell_rows: Sizes {
-        full: 100,
+        full: 200,
         int3: 100,
     },
     python_records: Sizes { full: 10, int3: 10 },

@@ -45,8 +45,8 @@ struct Workload {
     events: Vec<(String, u64)>,
     /// What the program prints untraced.
     stdout: Option<Vec<u8>>,
-    /// int3 probes run the other input of the program: this one's label.
-    int3_elsewhere: Option<String>,
+    /// int3 probes run the program's smaller input instead, on the next row.
+    int3_on_next_row: bool,
 }
 
 pub struct Programs {
@@ -151,9 +151,8 @@ impl Programs {
                     tools.push(loops::heaptrack());
                 }
                 tools.push(loops::jump());
-                let int3_elsewhere =
-                    (smaller && size == sizes.full).then(|| "next row".to_string());
-                if int3_elsewhere.is_none() {
+                let int3_on_next_row = smaller && size == sizes.full;
+                if !int3_on_next_row {
                     tools.push(loops::int3());
                 }
                 workloads.push(Workload {
@@ -163,7 +162,7 @@ impl Programs {
                     tools,
                     events: Vec::new(),
                     stdout: None,
-                    int3_elsewhere,
+                    int3_on_next_row,
                 });
                 if !smaller {
                     break;
@@ -213,10 +212,12 @@ impl Programs {
         for workload in &self.workloads {
             let wall = |label: &str| {
                 let Some(t) = workload.tools.iter().position(|t| t.label() == label) else {
-                    return Wall::Missing(match (&workload.int3_elsewhere, label) {
-                        (Some(elsewhere), INT3) => elsewhere.clone(),
-                        _ => "not run".into(),
-                    });
+                    let why = if workload.int3_on_next_row && label == INT3 {
+                        "next row"
+                    } else {
+                        "not run"
+                    };
+                    return Wall::Missing(why.into());
                 };
                 match workload.tools[t].missing() {
                     Some(_) => Wall::Missing("not installed".into()),
