@@ -4,64 +4,8 @@
 use std::fmt::Write;
 
 use crate::recorder::Replay;
-use crate::runs::{Load, Outcome, TraceFacts};
-
-/// One tracer (or way of tracing) on both loops.
-#[derive(Clone, Debug, Default)]
-pub struct Row {
-    pub label: String,
-    pub st_loop_s: Option<f64>,
-    pub st_per_stop_us: Option<f64>,
-    pub st_slowdown: Option<f64>,
-    pub mt_loop_s: Option<f64>,
-    pub mt_slowdown: Option<f64>,
-    pub mt_wall_s: Option<f64>,
-    pub mt_wall_slowdown: Option<f64>,
-    pub bytes_per_event: Option<f64>,
-    pub mt_bytes_per_event: Option<f64>,
-    pub note: String,
-}
-
-fn median_of(outcomes: &[Outcome], f: impl Fn(&Outcome) -> f64) -> f64 {
-    crate::median(outcomes.iter().map(f).collect())
-}
-
-impl Row {
-    pub fn new(label: &str) -> Row {
-        Row {
-            label: label.into(),
-            ..Row::default()
-        }
-    }
-
-    pub fn fill_single(&mut self, runs: &[Outcome], plain_s: f64, stops: u64) {
-        let traced = median_of(runs, |o| o.loop_s);
-        self.st_loop_s = Some(traced);
-        self.st_per_stop_us = Some((traced - plain_s) / stops as f64 * 1e6);
-        self.st_slowdown = Some(traced / plain_s);
-    }
-
-    pub fn fill_multi(&mut self, runs: &[Outcome], plain_s: f64, plain_wall_s: f64) {
-        let traced = median_of(runs, |o| o.loop_s);
-        let wall = median_of(runs, |o| o.wall_s);
-        self.mt_loop_s = Some(traced);
-        self.mt_slowdown = Some(traced / plain_s);
-        self.mt_wall_s = Some(wall);
-        self.mt_wall_slowdown = Some(wall / plain_wall_s);
-    }
-}
-
-/// How the stacks of a checked trace look, for the notes column.
-pub fn stack_note(facts: &TraceFacts, load: Load) -> String {
-    let calls = 2 * load.pairs();
-    match facts.min_frames {
-        Some(frames) => format!(
-            "{} of {calls} calls with a full stack, ≥ {frames} frames",
-            facts.full_stacks
-        ),
-        None => format!("all {calls} calls recorded, no stacks"),
-    }
-}
+use crate::runs::Load;
+use crate::tables::{self, FairRow, ProgramRow, RingRow, Row};
 
 pub struct Figures {
     pub rounds: usize,
@@ -75,7 +19,13 @@ pub struct Figures {
     pub plain_single_s: f64,
     pub plain_multi_s: f64,
     pub plain_multi_wall_s: f64,
+    /// The loop tables' rows, and the multithreaded loop.
     pub rows: Vec<Row>,
+    pub multi: Load,
+    pub programs: Vec<ProgramRow>,
+    pub fair: Vec<FairRow>,
+    pub fair_load: Load,
+    pub ring: Vec<RingRow>,
     /// (events, memptrace's peak RSS in KiB)
     pub rss: Vec<(u64, Option<u64>)>,
     pub rss_bytes_per_event: Option<f64>,
@@ -109,21 +59,8 @@ fn kernel() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn opt(value: Option<f64>, digits: usize) -> String {
-    value.map_or_else(|| "–".into(), |v| format!("{v:.digits$}"))
-}
-
-fn ratio(value: Option<f64>) -> String {
-    match value {
-        Some(v) if v >= 100.0 => format!("{v:.0}x"),
-        Some(v) if v >= 10.0 => format!("{v:.1}x"),
-        Some(v) => format!("{v:.2}x"),
-        None => "–".into(),
-    }
-}
-
 impl Figures {
-    pub fn new(rounds: usize) -> Figures {
+    pub fn new(rounds: usize, multi: Load, fair_load: Load) -> Figures {
         Figures {
             rounds,
             plan: String::new(),
@@ -135,6 +72,11 @@ impl Figures {
             plain_multi_s: 0.0,
             plain_multi_wall_s: 0.0,
             rows: Vec::new(),
+            multi,
+            programs: Vec::new(),
+            fair: Vec::new(),
+            fair_load,
+            ring: Vec::new(),
             rss: Vec::new(),
             rss_bytes_per_event: None,
             rss_timeline: Vec::new(),
@@ -195,56 +137,23 @@ impl Figures {
             let _ = writeln!(out, "| {label} | {us:.2} |");
         }
 
-        let _ = writeln!(
-            out,
-            "\n## Single-threaded loop: cost per stop\n\n\
-             Untraced loop: {:.4} s. Per stop = (traced loop - untraced loop) / stops.\n",
-            self.plain_single_s
+        tables::single(
+            &mut out,
+            &self.rows,
+            self.plain_single_s,
+            reference,
+            blocking,
         );
-        let _ = writeln!(
-            out,
-            "| tracer | loop (s) | µs per stop | x bare (memptrace's wait) | x bare (blocking) | loop slowdown | DB bytes/event | stacks |"
+        tables::multi(
+            &mut out,
+            &self.rows,
+            self.plain_multi_s,
+            self.plain_multi_wall_s,
+            self.multi,
         );
-        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---|");
-        for row in &self.rows {
-            let per_stop = row.st_per_stop_us;
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
-                row.label,
-                opt(row.st_loop_s, 3),
-                opt(per_stop, 2),
-                ratio(per_stop.map(|p| p / reference)),
-                ratio(per_stop.map(|p| p / blocking)),
-                ratio(row.st_slowdown),
-                opt(row.bytes_per_event, 1),
-                row.note
-            );
-        }
-
-        let _ = writeln!(
-            out,
-            "\n## Multithreaded loop: whole-program slowdown\n\n\
-             Untraced: loop {:.4} s, whole command {:.4} s.\n",
-            self.plain_multi_s, self.plain_multi_wall_s
-        );
-        let _ = writeln!(
-            out,
-            "| tracer | loop (s) | loop slowdown | whole command (s) | whole-command slowdown | DB bytes/event |"
-        );
-        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|");
-        for row in self.rows.iter().filter(|r| r.mt_loop_s.is_some()) {
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} | {} | {} |",
-                row.label,
-                opt(row.mt_loop_s, 3),
-                ratio(row.mt_slowdown),
-                opt(row.mt_wall_s, 3),
-                ratio(row.mt_wall_slowdown),
-                opt(row.mt_bytes_per_event, 1)
-            );
-        }
+        tables::programs(&mut out, &self.programs, self.rounds);
+        tables::fairness(&mut out, &self.fair, self.fair_load);
+        tables::ring(&mut out, &self.ring);
 
         let _ = writeln!(out, "\n## Recorder and memory\n");
         if let Some(replay) = &self.replay {
@@ -280,7 +189,6 @@ impl Figures {
         if let Some(b) = self.rss_bytes_per_event {
             let _ = writeln!(out, "- Database of that trace: {b:.1} bytes/event.");
         }
-        let _ = self.rounds;
         out
     }
 }
