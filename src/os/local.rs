@@ -117,3 +117,9 @@ pub fn tsc() -> u64 {
     // SAFETY: rdtsc reads a counter; it touches no memory.
     unsafe { std::arch::x86_64::_rdtsc() }
 }
+
+/// The calling thread's id (`gettid(2)`).
+pub fn thread_id() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}

@@ -8,9 +8,11 @@
 
 use std::collections::BTreeMap;
 
+use crate::event::Event;
 use crate::os::ptrace::Tid;
 use crate::sink::SinkError;
-use crate::unwind::pipeline::{CallStack, PipelineHandle, TraceMsg};
+use crate::unwind::WalkEnd;
+use crate::unwind::pipeline::{BatchedCall, CallBatch, CallStack, PipelineHandle, TraceMsg};
 
 /// Messages per batch sent to the pipeline.
 const BATCH: usize = 1024;
@@ -30,6 +32,8 @@ pub struct Outbox {
     /// Calls in `batch` (by message number) waiting for the copy their
     /// thread makes.
     awaiting: BTreeMap<u64, Tid>,
+    /// Calls with their frames (jump probes), gathered into one message.
+    open: Box<CallBatch>,
 }
 
 impl Outbox {
@@ -40,6 +44,7 @@ impl Outbox {
             bytes: 0,
             sent: 0,
             awaiting: BTreeMap::new(),
+            open: Box::default(),
         }
     }
 
@@ -48,6 +53,7 @@ impl Outbox {
     }
 
     pub fn push(&mut self, msg: TraceMsg) {
+        self.close_calls();
         if let TraceMsg::Call(call) = &msg {
             if let CallStack::Sample(sample) = &call.stack {
                 self.bytes += sample.bytes.len();
@@ -56,9 +62,41 @@ impl Outbox {
         self.batch.push(msg);
     }
 
+    /// Push a call with its frames (innermost first), into the open batch
+    /// of such calls.
+    pub fn push_frames(
+        &mut self,
+        event: Event,
+        frames: &[u64],
+        end: WalkEnd,
+        caller_only: bool,
+        allocator_module: u64,
+        unmatched_release: bool,
+    ) {
+        let start = self.open.frames.len();
+        self.open.frames.extend_from_slice(frames);
+        self.open.calls.push(BatchedCall {
+            event,
+            frames: start..self.open.frames.len(),
+            end,
+            caller_only,
+            allocator_module,
+            unmatched_release,
+        });
+    }
+
+    /// The open batch of calls becomes a message, in its place in order.
+    fn close_calls(&mut self) {
+        if !self.open.is_empty() {
+            let calls = std::mem::take(&mut self.open);
+            self.batch.push(TraceMsg::Calls(calls));
+        }
+    }
+
     /// Push a call that waits for its thread's stack copy; returns its
     /// message number.
     pub fn push_awaiting(&mut self, msg: TraceMsg, tid: Tid) -> u64 {
+        self.close_calls();
         let number = self.sent + self.batch.len() as u64;
         self.push(msg);
         self.awaiting.insert(number, tid);
@@ -72,7 +110,7 @@ impl Outbox {
 
     /// The batch is worth sending.
     pub fn full(&self) -> bool {
-        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES
+        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES || self.open.calls.len() >= BATCH
     }
 
     pub fn awaiting_copies(&self) -> bool {
@@ -100,6 +138,7 @@ impl Outbox {
 
     /// Send the batch up to the first call still waiting for its copy.
     pub fn send_ready(&mut self) -> Result<(), SinkError> {
+        self.close_calls();
         let n = match self.awaiting.keys().next() {
             Some(&first) => (first - self.sent) as usize,
             None => self.batch.len(),

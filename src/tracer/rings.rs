@@ -17,12 +17,11 @@ use std::time::{Duration, Instant};
 
 use super::Tracer;
 use super::ledger::CallFacts;
-use super::probes::jump::control::Record;
+use super::probes::jump::control::{Pulled, Record};
 use super::probes::jump::layout::record;
 use crate::os::local;
 use crate::os::ptrace::Tid;
 use crate::unwind::WalkEnd;
-use crate::unwind::pipeline::CallStack;
 
 /// How long records wait for a missing sequence number.
 const GAP_PATIENCE: Duration = Duration::from_millis(500);
@@ -31,7 +30,7 @@ const GAP_PATIENCE: Duration = Duration::from_millis(500);
 #[derive(Debug, Default)]
 pub struct Merge {
     /// Sorted by sequence number; the first is above `next`.
-    held: Vec<Record>,
+    held: Pulled,
     /// The next sequence number to record.
     next: u64,
     /// Since when the first held record waits for a missing number.
@@ -114,22 +113,22 @@ impl Tracer {
             return 0;
         };
         let merge = &mut process.merge;
-        let mut records = std::mem::take(&mut merge.held);
-        let before = records.len();
+        let mut pulled = std::mem::take(&mut merge.held);
+        let before = pulled.records.len();
         for (slot, tid) in control.used_slots() {
-            control.pull(slot, tid, &mut records);
+            control.pull(slot, tid, &mut pulled);
         }
-        let read = records.len() - before;
-        if records.is_empty() {
+        let read = pulled.records.len() - before;
+        if pulled.records.is_empty() {
             return 0;
         }
         if read > 0 {
-            records.sort_unstable_by_key(|r| r.seq);
+            pulled.records.sort_unstable_by_key(|r| r.seq);
         }
         let mut take = 0;
         let mut skipped = 0;
-        while take < records.len() {
-            let seq = records[take].seq;
+        while take < pulled.records.len() {
+            let seq = pulled.records[take].seq;
             if seq > merge.next {
                 let waited = merge.gap_since.get_or_insert_with(Instant::now).elapsed();
                 if !settle && waited < GAP_PATIENCE {
@@ -142,16 +141,17 @@ impl Tracer {
             merge.gap_since = None;
             take += 1;
         }
-        merge.held = records.split_off(take);
+        let waiting = pulled.records.split_off(take);
+        merge.held = pulled.keep(waiting);
         self.stats.skipped_records += skipped;
-        for record in records {
-            self.book_record(pid, record);
+        for record in &pulled.records {
+            self.book_record(pid, record, pulled.frames(record));
         }
         read
     }
 
-    /// Book one record of process `pid`.
-    fn book_record(&mut self, pid: Tid, r: Record) {
+    /// Book one record of process `pid`, with its frames.
+    fn book_record(&mut self, pid: Tid, r: &Record, frames: &[u64]) {
         let Some(space) = self
             .family
             .processes
@@ -164,7 +164,7 @@ impl Tracer {
             return;
         };
         let module_id = info.module_id;
-        let caller = r.frames.first().copied().unwrap_or(0);
+        let caller = frames.first().copied().unwrap_or(0);
         let op = if info.ops.len() > 1 {
             let ops = info.ops.clone();
             self.alias(pid, &ops, caller)
@@ -190,17 +190,21 @@ impl Tracer {
         let unknown_release =
             op.takes_block() && r.args[0] != 0 && !self.ledger.is_live(pid as u32, r.args[0]);
         let whole = self.opts.stacks && (unknown_release || self.sampled(pid, caller));
-        let stack = if whole {
-            let end = if r.flags & record::TRUNCATED != 0 {
-                WalkEnd::Failed
-            } else {
-                WalkEnd::Outermost
-            };
-            CallStack::Unwound { ips: r.frames, end }
+        let end = if r.flags & record::TRUNCATED != 0 {
+            WalkEnd::Failed
         } else {
-            CallStack::CallerOnly(caller)
+            WalkEnd::Outermost
         };
-        self.complete(op, &facts, stack, module_id);
+        let done = self.ledger.complete(op, &facts);
+        self.progress.update(&self.ledger);
+        self.out.push_frames(
+            done.event,
+            frames,
+            end,
+            !whole,
+            module_id,
+            done.unmatched_release,
+        );
     }
 
     /// A thread is about to exit: what it recorded is read, and its slots

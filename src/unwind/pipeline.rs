@@ -132,6 +132,36 @@ pub enum TraceMsg {
     },
     Record(Record),
     Call(Box<RawCall>),
+    /// Calls whose stacks were taken in the target (jump probes), their
+    /// frames in one vector: no allocation per call on either side.
+    Calls(Box<CallBatch>),
+}
+
+/// Calls in order, with their frames in one vector.
+#[derive(Debug, Default)]
+pub struct CallBatch {
+    pub calls: Vec<BatchedCall>,
+    pub frames: Vec<u64>,
+}
+
+/// A call of a [`CallBatch`].
+#[derive(Debug)]
+pub struct BatchedCall {
+    pub event: Event,
+    /// Where its frames are in the batch's vector (innermost first).
+    pub frames: Range<usize>,
+    pub end: super::WalkEnd,
+    /// Only the caller is wanted (`--no-stacks`, or skipped by
+    /// `--stack-every`): the first frame.
+    pub caller_only: bool,
+    pub allocator_module: u64,
+    pub unmatched_release: bool,
+}
+
+impl CallBatch {
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
 }
 
 /// What the pipeline knew at the end, for symbolization.
@@ -320,12 +350,29 @@ impl Pipeline {
             }
             TraceMsg::Record(record) => self.out.push(record),
             TraceMsg::Call(call) => self.call(*call),
+            TraceMsg::Calls(batch) => {
+                for call in batch.calls {
+                    let frames = &batch.frames[call.frames];
+                    let caller = frames.first().copied().unwrap_or(0);
+                    self.ips.clear();
+                    if !call.caller_only {
+                        self.ips.extend_from_slice(frames);
+                    }
+                    self.stacked(
+                        call.event,
+                        caller,
+                        call.end,
+                        call.allocator_module,
+                        call.unmatched_release,
+                    );
+                }
+            }
         }
     }
 
     fn call(&mut self, call: RawCall) {
         let RawCall {
-            mut event,
+            event,
             stack,
             allocator_module,
             unmatched_release,
@@ -354,6 +401,20 @@ impl Pipeline {
                 sample.ip
             }
         };
+        self.stacked(event, caller, end, allocator_module, unmatched_release);
+    }
+
+    /// Record a call whose return addresses are in `self.ips` (empty: the
+    /// caller alone).
+    fn stacked(
+        &mut self,
+        mut event: Event,
+        caller: u64,
+        end: WalkEnd,
+        allocator_module: u64,
+        unmatched_release: bool,
+    ) {
+        let pid = event.pid;
         // A release of a block not known to be live is looked at whole (it
         // may be the allocator's housekeeping); every other call whose
         // stack was seen before is done.

@@ -414,10 +414,30 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.set_label(&mut l.wait_room)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
     a.inc(qword_ptr(r10 + slot::WAITS as i32))?;
-    a.mov(qword_ptr(r10 + slot::WAITING as i32), 1)?;
+    // Say so, then look at the tail again: memptrace stores the tail, then
+    // reads WAITING; the thread stores WAITING, then reads the tail. With a
+    // full barrier on each side (xchg here), one of them sees the other's
+    // store: either memptrace wakes the thread, or the thread sees the room.
+    a.mov(eax, 1)?;
+    a.xchg(qword_ptr(r10 + slot::WAITING as i32), rax)?;
+    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
+    a.sub(r8, qword_ptr(r10 + slot::TAIL as i32))?;
+    a.cmp(r8, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
+    a.ja(l.sleep)?;
+    a.mov(qword_ptr(r10 + slot::WAITING as i32), 0)?;
+    a.jmp(l.entry)?;
+    a.set_label(&mut l.sleep)?;
     a.push(rdi)?;
     a.push(rsi)?;
     a.push(rdx)?;
+    // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD)...
+    a.mov(rax, spec.control + layout::TRACER_PID)?;
+    a.mov(rdi, qword_ptr(rax))?;
+    a.mov(rsi, qword_ptr(rax + 8))?;
+    a.mov(edx, libc::SIGCHLD as u32)?;
+    a.mov(eax, libc::SYS_tgkill as u32)?;
+    a.syscall()?;
+    // ...and wait on the ring's tail, 1 ms at most, then start over.
     a.mov(eax, libc::SYS_futex as u32)?;
     a.lea(rdi, qword_ptr(r10 + slot::TAIL as i32))?;
     a.xor(esi, esi)?; // FUTEX_WAIT, shared: memptrace wakes it from its mapping
@@ -558,6 +578,7 @@ struct Labels {
     release: CodeLabel,
     skip_nested: CodeLabel,
     wait_room: CodeLabel,
+    sleep: CodeLabel,
     displaced: CodeLabel,
     back: CodeLabel,
     end: CodeLabel,
@@ -597,6 +618,7 @@ impl Labels {
             release: a.create_label(),
             skip_nested: a.create_label(),
             wait_room: a.create_label(),
+            sleep: a.create_label(),
             displaced: a.create_label(),
             back: a.create_label(),
             end: a.create_label(),

@@ -14,6 +14,33 @@ use crate::unwind::tables::UnwindTable;
 
 pub use inject::SharedError as ControlError;
 
+/// Records read from rings, their frames in one vector.
+#[derive(Debug, Default)]
+pub struct Pulled {
+    pub records: Vec<Record>,
+    pub frames: Vec<u64>,
+}
+
+impl Pulled {
+    /// The frames of `record`.
+    pub fn frames(&self, record: &Record) -> &[u64] {
+        &self.frames[record.frames.clone()]
+    }
+
+    /// A new `Pulled` with `records` (taken from this one) and their frames.
+    pub fn keep(&self, records: Vec<Record>) -> Pulled {
+        let mut kept = Pulled::default();
+        for mut r in records {
+            let start = kept.frames.len();
+            kept.frames
+                .extend_from_slice(&self.frames[r.frames.clone()]);
+            r.frames = start..kept.frames.len();
+            kept.records.push(r);
+        }
+        kept
+    }
+}
+
 /// One committed record, as read from a ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Record {
@@ -27,8 +54,9 @@ pub struct Record {
     pub args: [u64; 3],
     pub ret: u64,
     pub stored: u64,
-    /// Return addresses, the caller first.
-    pub frames: Vec<u64>,
+    /// Where its return addresses (the caller first) are in the
+    /// [`Pulled`] it was read into.
+    pub frames: std::ops::Range<usize>,
 }
 
 /// An image in the directory.
@@ -89,6 +117,12 @@ impl Control {
         };
         control.mem.store(layout::MAGIC, layout::MAGIC_VALUE);
         control.mem.store(layout::WAIT_TIMESPEC + 8, 1_000_000);
+        control
+            .mem
+            .store(layout::TRACER_PID, u64::from(std::process::id()));
+        control
+            .mem
+            .store(layout::TRACER_TID, crate::os::local::thread_id() as u64);
         control.publish_directory();
         Ok(control)
     }
@@ -269,7 +303,7 @@ impl Control {
     /// Read slot `i`'s committed records (owned by `tid`) into `out`, free
     /// their room, and wake the thread if it waits for room. Returns how
     /// many were read.
-    pub fn pull(&self, i: usize, tid: Tid, out: &mut Vec<Record>) -> usize {
+    pub fn pull(&self, i: usize, tid: Tid, out: &mut Pulled) -> usize {
         let head = self.mem.load(Self::slot_at(i, slot::HEAD));
         let mut tail = self.mem.load(Self::slot_at(i, slot::TAIL));
         let ring = layout::ring_offset(i as u64);
@@ -287,10 +321,12 @@ impl Control {
             if size < layout::RECORD_HEADER || frames > layout::MAX_FRAMES as usize {
                 break; // cannot happen: the probe writes whole records
             }
-            let mut words = vec![0u64; frames];
-            self.mem.read_words(at + record::FRAMES, &mut words);
+            let start = out.frames.len();
+            out.frames.resize(start + frames, 0);
+            self.mem
+                .read_words(at + record::FRAMES, &mut out.frames[start..]);
             if let Some(op) = Op::from_code((h >> 40) as u8) {
-                out.push(Record {
+                out.records.push(Record {
                     seq: word(record::SEQ),
                     tsc: word(record::TSC),
                     tid,
@@ -300,7 +336,7 @@ impl Control {
                     args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
                     ret: word(record::RET),
                     stored: word(record::STORED),
-                    frames: words,
+                    frames: start..start + frames,
                 });
             }
             tail += size;
@@ -308,6 +344,9 @@ impl Control {
         }
         if read > 0 {
             self.mem.store(Self::slot_at(i, slot::TAIL), tail);
+            // The other half of the probe's barrier (see its wait): the tail
+            // is seen before WAITING is read.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
             if self.mem.load(Self::slot_at(i, slot::WAITING)) != 0 {
                 self.mem.store(Self::slot_at(i, slot::WAITING), 0);
                 self.mem.wake(Self::slot_at(i, slot::TAIL));

@@ -37,6 +37,10 @@ pub const DIRECTORY: u64 = 128;
 /// A `struct timespec` of 1 ms: how long a thread waits on a full ring
 /// before it looks again.
 pub const WAIT_TIMESPEC: u64 = 192;
+/// memptrace's process and tracer thread: a thread that finds its ring
+/// full sends that thread SIGCHLD, which wakes it if it sleeps.
+pub const TRACER_PID: u64 = 256;
+pub const TRACER_TID: u64 = 264;
 pub const HEADER_SIZE: u64 = 4096;
 
 pub const MAGIC_VALUE: u64 = u64::from_le_bytes(*b"memptrc1");
