@@ -119,3 +119,67 @@ impl Event {
         }
     }
 }
+
+/// The memory-mapping functions memptrace hooks beside the allocator: the
+/// calls through which a process's address space, and so its resident
+/// memory, grows and shrinks (the allocator's own included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MapOp {
+    Mmap,
+    Munmap,
+    Mremap,
+    Brk,
+    Sbrk,
+    Madvise,
+    Mprotect,
+}
+
+impl MapOp {
+    pub const ALL: [MapOp; 7] = [
+        MapOp::Mmap,
+        MapOp::Munmap,
+        MapOp::Mremap,
+        MapOp::Brk,
+        MapOp::Sbrk,
+        MapOp::Madvise,
+        MapOp::Mprotect,
+    ];
+
+    /// The C name, as stored in `map_events.op`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MapOp::Mmap => "mmap",
+            MapOp::Munmap => "munmap",
+            MapOp::Mremap => "mremap",
+            MapOp::Brk => "brk",
+            MapOp::Sbrk => "sbrk",
+            MapOp::Madvise => "madvise",
+            MapOp::Mprotect => "mprotect",
+        }
+    }
+}
+
+impl fmt::Display for MapOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One call of a mapping function: its arguments (System V ABI order: rdi,
+/// rsi, rdx, rcx, r8, r9) and result, as made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapEvent {
+    pub id: u64,
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub op: MapOp,
+    pub args: [u64; 6],
+    /// What the function returned (rax): an address (mmap, mremap, sbrk's
+    /// old break) or 0/-1.
+    pub result: u64,
+    pub stack_id: Option<u64>,
+    /// The allocator function (malloc, free, ...) the call was made in, when
+    /// it was made by the allocator, not by the program.
+    pub by_allocator: Option<Op>,
+}

@@ -123,6 +123,8 @@ pub enum Record {
     Frame(FrameRecord),
     StackNode(StackNode),
     Event(Event),
+    /// A mapping call (mmap, munmap, brk...).
+    Map(crate::event::MapEvent),
     Symbols(FrameSymbols),
 }
 

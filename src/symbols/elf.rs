@@ -11,7 +11,7 @@ use std::sync::Arc;
 use goblin::elf::{Elf, header, program_header, reloc, section_header, sym};
 
 use crate::addr::{Avma, LoadBias, Svma};
-use crate::event::Op;
+use crate::event::{MapOp, Op};
 use crate::symbols::cfi::CfiIndex;
 use crate::symbols::signatures::matcher::Segment;
 pub use crate::symbols::symbolize::DebugLink;
@@ -32,6 +32,27 @@ const ALLOCATOR_NAMES: [(&str, Op); 10] = [
     ("valloc", Op::Valloc),
     ("pvalloc", Op::Pvalloc),
     ("reallocarray", Op::Reallocarray),
+];
+
+/// The mapping functions, under every name the C libraries give them (the
+/// internal aliases are the same code: one hook each).
+const MAPPING_NAMES: [(&str, MapOp); 16] = [
+    ("mmap", MapOp::Mmap),
+    ("mmap64", MapOp::Mmap),
+    ("__mmap", MapOp::Mmap),
+    ("__mmap64", MapOp::Mmap),
+    ("munmap", MapOp::Munmap),
+    ("__munmap", MapOp::Munmap),
+    ("mremap", MapOp::Mremap),
+    ("__mremap", MapOp::Mremap),
+    ("brk", MapOp::Brk),
+    ("__brk", MapOp::Brk),
+    ("sbrk", MapOp::Sbrk),
+    ("__sbrk", MapOp::Sbrk),
+    ("madvise", MapOp::Madvise),
+    ("__madvise", MapOp::Madvise),
+    ("mprotect", MapOp::Mprotect),
+    ("__mprotect", MapOp::Mprotect),
 ];
 
 /// glibc functions that release a thread's cached blocks through the public
@@ -139,6 +160,8 @@ pub struct ElfImage {
     pub debug_state: Option<Svma>,
     /// Code ranges whose frees of unknown blocks are allocator housekeeping.
     pub housekeeping: Vec<Range<u64>>,
+    /// Mapping functions (mmap, munmap, brk...) by SVMA.
+    pub mappings: BTreeMap<u64, MapOp>,
     pub has_symtab: bool,
     pub text: Option<Range<u64>>,
     pub eh_frame: Option<SectionData>,
@@ -258,6 +281,7 @@ impl ElfImage {
             allocators: Vec::new(),
             debug_state: None,
             housekeeping: Vec::new(),
+            mappings: BTreeMap::new(),
             has_symtab: !elf.syms.is_empty(),
             text: section_range(".text"),
             eh_frame: section_data(".eh_frame"),
@@ -306,6 +330,9 @@ impl ElfImage {
                         if !ops.contains(&op) {
                             ops.push(op);
                         }
+                    }
+                    if let Some(&(_, op)) = MAPPING_NAMES.iter().find(|(n, _)| *n == name) {
+                        self.mappings.entry(s.st_value).or_insert(op);
                     }
                     if HOUSEKEEPING_NAMES.contains(&name) && s.st_size > 0 {
                         let range = s.st_value..s.st_value + s.st_size;
@@ -402,6 +429,14 @@ impl ElfImage {
     }
 
     /// True when `svma` is in a PLT section.
+    /// `len` bytes of the image's executable code at `svma`, if they are in
+    /// one executable segment.
+    pub fn code_at(&self, svma: u64, len: usize) -> Option<&[u8]> {
+        let seg = self.code.iter().find(|s| s.svma.contains(&svma))?;
+        let at = (svma - seg.svma.start) as usize;
+        seg.data.get(at..at.checked_add(len)?)
+    }
+
     pub fn in_plt(&self, svma: Svma) -> bool {
         self.plt.iter().any(|r| r.contains(&svma.0))
     }

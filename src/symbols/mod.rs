@@ -3,6 +3,7 @@
 //! debug files, or the machine code itself through [`signatures`]), and
 //! source-level names for code addresses ([`symbolize`]).
 
+pub mod callsite;
 pub mod cfi;
 pub mod elf;
 pub mod locate;

@@ -100,6 +100,12 @@ impl Tracer {
                 let slot = Slot { resume_at, stub };
                 self.on_entry(tid, pid, regs, slot, module_id, &ops)
             }
+            HookKind::Mapping { .. } if !recording => {
+                self.redirect(tid, regs, resume_at, Vec::new())
+            }
+            HookKind::Mapping { module_id, op } => {
+                self.on_map_entry(tid, pid, regs, resume_at, stub, module_id, op)
+            }
         }
     }
 
@@ -294,6 +300,11 @@ impl Tracer {
     fn on_return(&mut self, tid: Tid, regs: Regs) -> Result<(), TraceError> {
         let pid = self.family.pid_of(tid).unwrap_or(tid);
         let Some(call) = self.returning_call(tid, regs.rsp) else {
+            if let Some(map) = self.returning_map(tid, regs.rsp) {
+                self.resume(tid, 0)?;
+                self.record_map(pid, tid, map, regs.rax);
+                return Ok(());
+            }
             // A call memptrace gave up on (left by a longjmp, as far as it
             // could tell) came back after all: not recorded, no harm done.
             return self.resume(tid, 0);
@@ -372,10 +383,16 @@ impl Tracer {
     }
 
     /// The caller's return address and what the unwinder needs, taken while
-    /// the thread is stopped at the allocator's first instruction. With
+    /// the thread is stopped at a hooked function's first instruction. With
     /// `--stack-every N`, only every Nth call of a call site (and every
     /// `always` call) gets more than its caller.
-    fn capture(&mut self, tid: Tid, pid: Tid, regs: &Regs, always: bool) -> (u64, CallStack) {
+    pub(super) fn capture(
+        &mut self,
+        tid: Tid,
+        pid: Tid,
+        regs: &Regs,
+        always: bool,
+    ) -> (u64, CallStack) {
         let sp = regs.rsp;
         let mem = ProcessMemory(pid);
         if !self.opts.stacks {

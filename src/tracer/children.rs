@@ -136,6 +136,11 @@ impl Tracer {
         }
         let now = self.now_ns();
         let modules: Vec<_> = copy.modules.values().cloned().collect();
+        let areas = copy.area_ranges();
+        self.send(crate::unwind::pipeline::TraceMsg::Trampolines {
+            pid: tid as u32,
+            areas,
+        });
         for module in &modules {
             self.announce_image(tid, module, now);
         }

@@ -216,12 +216,16 @@ impl Tracer {
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
         self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
-        let pending: Vec<(Tid, Tid, u64, u64)> = self
-            .family
-            .threads
-            .iter_mut()
-            .filter_map(|(&tid, t)| t.in_call.take().map(|c| (tid, t.pid, c.entry_sp, c.stub)))
-            .collect();
+        // Allocator calls, and mapping calls, entered through a stub.
+        let mut pending: Vec<(Tid, Tid, u64, u64)> = Vec::new();
+        for (&tid, t) in self.family.threads.iter_mut() {
+            if let Some(c) = t.in_call.take() {
+                pending.push((tid, t.pid, c.entry_sp, c.stub));
+            }
+            if let Some(m) = t.in_map.take() {
+                pending.push((tid, t.pid, m.entry_sp, m.stub));
+            }
+        }
         let mut pop_rets: HashMap<Tid, Option<u64>> = HashMap::new();
         for (tid, pid, sp, stub) in pending {
             // Still inside the allocator; that call is not recorded.
@@ -371,6 +375,8 @@ impl Tracer {
             if let Some(call) = self.returning_call(tid, regs.rsp) {
                 let stored = super::calls::stored_block(pid, &call, regs.rax);
                 self.record_return(pid, tid, call, regs.rax, stored);
+            } else if let Some(map) = self.returning_map(tid, regs.rsp) {
+                self.record_map(pid, tid, map, regs.rax);
             }
             return Ok(true);
         }

@@ -24,6 +24,7 @@ impl Tracer {
         }
         if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.in_call = None;
+            thread.in_map = None;
             thread.stack = None;
         }
         let role = self.family.processes.get(&pid).map(|p| p.role);
@@ -103,6 +104,7 @@ impl Tracer {
         };
         let changes = space.refresh(tid, &mut self.next_module_id)?;
         let hooked = space.hooks.allocators() as u64;
+        let areas = space.area_ranges();
         let Changes {
             added,
             removed,
@@ -119,6 +121,10 @@ impl Tracer {
                 }
             }
         }
+        self.send(TraceMsg::Trampolines {
+            pid: pid as u32,
+            areas,
+        });
         let now = self.now_ns();
         for module in removed {
             self.send(TraceMsg::ImageGone {

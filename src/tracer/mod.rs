@@ -25,6 +25,7 @@ mod images;
 mod inject;
 mod jumps;
 mod ledger;
+mod mappings;
 mod outbox;
 mod probes;
 mod process;
@@ -191,6 +192,8 @@ pub struct Tracer {
     out: Outbox,
     ledger: Ledger,
     next_module_id: u64,
+    /// Ids of mapping calls so far.
+    next_map_id: u64,
     progress: Arc<Progress>,
     stats: TraceStats,
     control: Control,
@@ -234,6 +237,7 @@ impl Tracer {
             out: Outbox::new(pipeline),
             ledger: Ledger::new(),
             next_module_id: 0,
+            next_map_id: 0,
             progress,
             stats: TraceStats::default(),
             control: Control {

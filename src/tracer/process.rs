@@ -107,6 +107,20 @@ pub struct Thread {
     /// A copy taken at a stop before the thread's routine was done with it
     /// (buffer, number): the routine may still write the buffer.
     pub unfinished_copy: Option<(usize, u64)>,
+    /// A mapping call (mmap, munmap...) that entered and has not returned.
+    pub in_map: Option<PendingMap>,
+}
+
+/// A mapping call that entered and has not returned yet.
+#[derive(Debug)]
+pub struct PendingMap {
+    pub op: crate::event::MapOp,
+    pub args: [u64; 6],
+    /// rsp at entry, and the stub it returns through (see [`PendingCall`]).
+    pub entry_sp: u64,
+    pub stub: u64,
+    pub stack: CallStack,
+    pub module_id: u64,
 }
 
 impl Thread {
@@ -118,6 +132,7 @@ impl Thread {
             start_ns,
             copy: None,
             unfinished_copy: None,
+            in_map: None,
         }
     }
 }

@@ -19,6 +19,9 @@ pub struct FramehopUnwinder {
     cache: CacheX86_64,
     /// Start of each image's range, to remove it by range.
     starts: BTreeMap<u64, u64>,
+    /// memptrace's trampoline areas in the process: a return address in one
+    /// is a probe's call stub, to step over (see [`FramehopUnwinder::unwind`]).
+    trampolines: Vec<Range<u64>>,
 }
 
 impl Default for FramehopUnwinder {
@@ -33,7 +36,13 @@ impl FramehopUnwinder {
             unwinder: UnwinderX86_64::new(),
             cache: CacheX86_64::new(),
             starts: BTreeMap::new(),
+            trampolines: Vec::new(),
         }
+    }
+
+    /// The process's trampoline areas, as they are now.
+    pub fn set_trampolines(&mut self, areas: Vec<Range<u64>>) {
+        self.trampolines = areas;
     }
 }
 
@@ -100,6 +109,20 @@ impl Unwinder for FramehopUnwinder {
         let mut ip = sample.ip;
         let mut taken = 0;
         while taken < max {
+            if self.trampolines.iter().any(|a| a.contains(&ip)) {
+                // A hooked function called through a probe's stub (`lea rsp,
+                // [rsp-8]; call`) returns here, into memptrace's code: the
+                // word below the caller's return address is the stub's, the
+                // caller's return address is above it. Not a frame of the
+                // program's: step over it.
+                let sp = regs.sp();
+                let Some(caller) = sample.read_u64(sp + 8) else {
+                    return WalkEnd::Failed;
+                };
+                regs.set_sp(sp + 16);
+                ip = caller;
+                continue;
+            }
             out.push(ip);
             taken += 1;
             let Some(address) = FrameAddress::from_return_address(ip) else {

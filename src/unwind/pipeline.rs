@@ -13,7 +13,7 @@ use super::intern::Interner;
 use super::vet::{Trust, vet};
 use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
-use crate::event::Event;
+use crate::event::{Event, MapEvent};
 use crate::sink::{FrameRecord, ModuleRecord, Record, RecordSender, SinkError};
 
 /// Whole stacks seen (see `Pipeline::call`), by a hash of what the
@@ -130,11 +130,27 @@ pub enum TraceMsg {
     ProcessGone {
         pid: u32,
     },
+    /// The trampoline areas memptrace mapped in process `pid`, all of them.
+    Trampolines {
+        pid: u32,
+        areas: Vec<Range<u64>>,
+    },
     Record(Record),
     Call(Box<RawCall>),
     /// Calls whose stacks were taken in the target (jump probes), their
     /// frames in one vector: no allocation per call on either side.
     Calls(Box<CallBatch>),
+    /// A call of a mapping function (mmap, munmap, brk...).
+    Map(Box<RawMap>),
+}
+
+/// A mapping call as the tracer saw it, before unwinding.
+#[derive(Debug)]
+pub struct RawMap {
+    pub event: MapEvent,
+    pub stack: CallStack,
+    /// The image whose mapping function was called.
+    pub module_id: u64,
 }
 
 /// Calls in order, with their frames in one vector.
@@ -349,6 +365,11 @@ impl Pipeline {
                 self.seen.forget(Some(pid));
             }
             TraceMsg::Record(record) => self.out.push(record),
+            TraceMsg::Map(map) => self.map(*map),
+            TraceMsg::Trampolines { pid, areas } => {
+                let process = self.processes.entry(pid).or_default();
+                process.unwinder.set_trampolines(areas);
+            }
             TraceMsg::Call(call) => self.call(*call),
             TraceMsg::Calls(batch) => {
                 for call in batch.calls {
@@ -469,6 +490,60 @@ impl Pipeline {
         self.out.push(Record::Event(event));
     }
 
+    /// Record a mapping call: its stack unwound, vetted and interned as an
+    /// allocator call's is, and the allocator call it was made in, if any.
+    fn map(&mut self, raw: RawMap) {
+        let RawMap {
+            mut event, stack, ..
+        } = raw;
+        let pid = event.pid;
+        self.ips.clear();
+        let mut copy = None;
+        let caller = match stack {
+            CallStack::CallerOnly(ip) => ip,
+            CallStack::Unwound { ips, .. } => {
+                self.ips = ips;
+                self.ips.first().copied().unwrap_or(0)
+            }
+            CallStack::Sample(sample) => {
+                if self.unwind_here {
+                    if let Some(process) = self.processes.get_mut(&pid) {
+                        process.unwinder.unwind(
+                            event.tid as i32,
+                            &sample,
+                            &mut self.ips,
+                            self.max_depth,
+                        );
+                    }
+                }
+                let ip = sample.ip;
+                copy = Some(sample);
+                ip
+            }
+        };
+        let images = self.processes.get(&pid);
+        let image_at = |ip| images.and_then(|p| p.image_at(ip));
+        vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
+        if self.ips.is_empty() && caller != 0 {
+            self.ips.push(caller);
+        }
+        // The allocator call it was made in: by the stack, or, where the
+        // stack ends early (an allocator without unwind tables: musl), by
+        // the return addresses left in the stack copy.
+        event.by_allocator = self
+            .ips
+            .iter()
+            .find_map(|&ip| allocator_called_before(ip, &image_at))
+            .or_else(|| copy.and_then(|s| allocator_call_in_copy(&s, &image_at)));
+        if self.stacks {
+            let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
+            event.stack_id = self
+                .interner
+                .intern(&self.ips, &self.trust, module_of, &mut self.out);
+        }
+        self.out.push(Record::Map(event));
+    }
+
     /// One `meta` row per allocator function of an image, saying how it was
     /// found: `allocator.<path>.<function>` = `symbol at 0x…`, `debug file
     /// <path> at 0x…` or `signature <function> of <library> at 0x…`.
@@ -509,4 +584,63 @@ impl Pipeline {
         }
         inside(caller) && self.ips.iter().all(|&ip| inside(ip))
     }
+}
+
+/// Return addresses to try, at most, when looking for an allocator call in
+/// a stack copy word by word.
+const SCAN: usize = 256;
+
+/// The allocator call a stack copy shows a return address of: the innermost
+/// word that is a return address (into an image's code, just after a call)
+/// whose call instruction calls an allocator function. Not a stack: only
+/// the fact that the thread was inside that call.
+fn allocator_call_in_copy<'a>(
+    sample: &StackSample,
+    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
+) -> Option<crate::event::Op> {
+    sample
+        .bytes
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .filter(|&word| super::vet::is_return_address(word, image_at(word)))
+        .take(SCAN)
+        .find_map(|word| allocator_called_before(word, image_at))
+}
+
+/// The allocator function (malloc, free, ...) that the call instruction
+/// before return address `ip` calls, directly or through a PLT stub or a
+/// GOT slot: a mapping call whose stack has such a frame was made inside
+/// that allocator call, by the allocator.
+fn allocator_called_before<'a>(
+    ip: u64,
+    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
+) -> Option<crate::event::Op> {
+    use crate::symbols::callsite::{CallTarget, call_before, plt_slot};
+    let image = image_at(ip)?;
+    let svma = image.bias.to_svma(Avma(ip)).0;
+    let before: [u8; 6] = image
+        .image
+        .code_at(svma.checked_sub(6)?, 6)?
+        .try_into()
+        .ok()?;
+    let slot = match call_before(&before, ip)? {
+        CallTarget::Direct(target) => {
+            let callee = image_at(target)?;
+            let at = callee.bias.to_svma(Avma(target));
+            if let Some(entry) = callee.image.allocators.iter().find(|a| a.svma == at) {
+                return Some(entry.default_op());
+            }
+            if !callee.image.in_plt(at) {
+                return None;
+            }
+            plt_slot(callee.image.code_at(at.0, 16)?, target)?
+        }
+        CallTarget::Slot(slot) => slot,
+    };
+    let owner = image_at(slot)?;
+    owner
+        .image
+        .got_slots
+        .get(&owner.bias.to_svma(Avma(slot)).0)
+        .copied()
 }

@@ -306,6 +306,7 @@ impl SqliteSink {
                 )?
                 .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
             }
+            Record::Map(m) => write_map(conn, m)?,
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())
@@ -449,6 +450,88 @@ enum Num {
     Null,
     Int(i64),
     Real(f64),
+}
+
+/// A mapping call's row: each argument in the column that names it, for its
+/// function (see docs/schema.md).
+fn write_map(conn: &rusqlite::Connection, m: &crate::event::MapEvent) -> Result<(), SinkError> {
+    use crate::event::MapOp;
+    let [a0, a1, a2, a3, a4, a5] = m.args;
+    // (addr, len, new_len, prot, flags, fd, offset, advice)
+    let none = None::<Num>;
+    let cols = match m.op {
+        MapOp::Mmap => (
+            Some(int(a0)),
+            Some(int(a1)),
+            none,
+            Some(Num::Int(a2 as i32 as i64)),
+            Some(Num::Int(a3 as i32 as i64)),
+            Some(Num::Int(a4 as i32 as i64)),
+            Some(Num::Int(a5 as i64)),
+            none,
+        ),
+        MapOp::Munmap => (Some(int(a0)), Some(int(a1)), none, none, none, none, none, none),
+        MapOp::Mremap => (
+            Some(int(a0)),
+            Some(int(a1)),
+            Some(int(a2)),
+            none,
+            Some(Num::Int(a3 as i32 as i64)),
+            none,
+            none,
+            none,
+        ),
+        MapOp::Brk => (Some(int(a0)), none, none, none, none, none, none, none),
+        // sbrk's increment is signed.
+        MapOp::Sbrk => (None, Some(Num::Int(a0 as i64)), none, none, none, none, none, none),
+        MapOp::Madvise => (
+            Some(int(a0)),
+            Some(int(a1)),
+            none,
+            none,
+            none,
+            none,
+            none,
+            Some(Num::Int(a2 as i32 as i64)),
+        ),
+        MapOp::Mprotect => (
+            Some(int(a0)),
+            Some(int(a1)),
+            none,
+            Some(Num::Int(a2 as i32 as i64)),
+            none,
+            none,
+            none,
+            none,
+        ),
+    };
+    // A failed call returns -1 (brk, munmap, madvise, mprotect: 0 or -1;
+    // mmap, mremap: MAP_FAILED).
+    let result = m.result as i64;
+    conn.prepare_cached(
+        "INSERT INTO map_events(id, ts_ns, pid, tid, op, addr, len, new_len, prot, flags, fd, \
+         offset, advice, result, stack_id, by_allocator) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )?
+    .execute(params![
+        int(m.id),
+        int(m.ts_ns),
+        m.pid,
+        m.tid,
+        m.op.name(),
+        cols.0,
+        cols.1,
+        cols.2,
+        cols.3,
+        cols.4,
+        cols.5,
+        cols.6,
+        cols.7,
+        result,
+        m.stack_id.map(int),
+        m.by_allocator.map(|op| op.name()),
+    ])?;
+    Ok(())
 }
 
 fn int(value: u64) -> Num {

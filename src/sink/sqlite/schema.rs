@@ -111,6 +111,25 @@ CREATE TABLE event_log(
     alloc_dist INTEGER,
     arg INTEGER
 );
+-- One row per call of a mapping function (docs/schema.md, map_events).
+CREATE TABLE map_events(
+    id INTEGER PRIMARY KEY,
+    ts_ns INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    tid INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    addr INTEGER,
+    len INTEGER,
+    new_len INTEGER,
+    prot INTEGER,
+    flags INTEGER,
+    fd INTEGER,
+    offset INTEGER,
+    advice INTEGER,
+    result INTEGER NOT NULL,
+    stack_id INTEGER,
+    by_allocator TEXT
+);
 ";
 
 /// The call site of every stack whose own frame is a wrapper: walk up

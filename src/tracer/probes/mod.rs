@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::io;
 use std::ops::Range;
 
-use crate::event::Op;
+use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::mem::CodeWriter;
 use crate::os::ptrace::Regs;
@@ -36,6 +36,9 @@ pub enum HookKind {
     /// An allocator function; `ops` as in [`crate::symbols::elf::AllocatorEntry`]
     /// (several when names share the address).
     Allocator { module_id: u64, ops: Vec<Op> },
+    /// A mapping function (mmap, munmap, brk...): always an int3 probe, a
+    /// stop per call (they are few, and take up to six arguments).
+    Mapping { module_id: u64, op: MapOp },
     /// The dynamic linker's `_dl_debug_state`: images were mapped or unmapped.
     DebugState,
 }

@@ -424,6 +424,13 @@ impl Space {
                 )
             })
             .collect();
+        for (&svma, &op) in &module.image.mappings {
+            let kind = HookKind::Mapping {
+                module_id: module.id,
+                op,
+            };
+            targets.push((module.bias.to_avma(Svma(svma)).0, kind));
+        }
         if let Some(svma) = module.image.debug_state {
             targets.push((module.bias.to_avma(svma).0, HookKind::DebugState));
         }
@@ -450,7 +457,9 @@ impl Space {
                     });
                     self.plant_int3(tid, module, maps, addr, kind, signals)?;
                 }
-                HookKind::DebugState => self.plant_int3(tid, module, maps, addr, kind, signals)?,
+                HookKind::Mapping { .. } | HookKind::DebugState => {
+                    self.plant_int3(tid, module, maps, addr, kind, signals)?
+                }
             }
         }
         Ok(())
@@ -673,6 +682,11 @@ impl Space {
             None => return Some(false),
         }
         Some(true)
+    }
+
+    /// The trampoline areas' address ranges.
+    pub fn area_ranges(&self) -> Vec<Range<u64>> {
+        self.areas.ranges().collect()
     }
 
     /// True when `rip` lies in one of the trampoline areas.

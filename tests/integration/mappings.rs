@@ -1,0 +1,131 @@
+//! Mapping calls (mmap, munmap, mremap, brk/sbrk, madvise, mprotect) as
+//! events, with their stacks, the program's own told apart from those the
+//! allocator makes inside its calls: against the tracee's own truth, on
+//! every build, launched, under `-f` and attached.
+
+use crate::support::{
+    Background, Trace, VARIANTS, Variant, memptrace, open_trace, run, scratch, trace, tracee,
+};
+
+/// Calls of `op` whose stack's innermost frame is `function`, made by the
+/// program itself.
+fn own_calls(t: &Trace, function: &str, op: &str) -> i64 {
+    t.db.query_row(
+        "SELECT count(*) FROM map_events m JOIN stacks s ON s.id = m.stack_id
+         JOIN frames f ON f.id = s.frame_id
+         WHERE f.function = ?1 AND m.op = ?2 AND m.by_allocator IS NULL",
+        [function, op],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// Calls of `op` the allocator made inside `allocator` calls.
+fn allocator_calls(t: &Trace, op: &str, allocator: &str) -> i64 {
+    t.db.query_row(
+        "SELECT count(*) FROM map_events WHERE op = ?1 AND by_allocator = ?2",
+        [op, allocator],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
+/// The `map <function> <op> <calls>` lines of the tracee's output.
+fn stated(stdout: &str) -> Vec<(String, String, i64)> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("map ")?.split_whitespace();
+            Some((w.next()?.into(), w.next()?.into(), w.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+fn check(t: &Trace, variant: Variant) {
+    let truth = stated(&t.run.stdout);
+    assert_eq!(truth.len(), 6, "{variant:?}: {}", t.run.stdout);
+    for (function, op, calls) in truth {
+        assert_eq!(
+            own_calls(t, &function, &op),
+            calls,
+            "{variant:?}: {function} {op}"
+        );
+    }
+    // Each big block was mapped by malloc and unmapped by free.
+    let big: i64 = t
+        .run
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("big "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(allocator_calls(t, "mmap", "malloc"), big, "{variant:?}");
+    assert_eq!(allocator_calls(t, "munmap", "free"), big, "{variant:?}");
+    // The results are the program's: every mmap it made succeeded and
+    // returned a page-aligned address, which its munmap released.
+    let failed: i64 = t.int("SELECT count(*) FROM map_events WHERE op = 'mmap' AND result = -1");
+    assert_eq!(failed, 0, "{variant:?}");
+    let unaligned: i64 =
+        t.int("SELECT count(*) FROM map_events WHERE op = 'mmap' AND result % 4096 <> 0");
+    assert_eq!(unaligned, 0, "{variant:?}");
+    t.assert_truth();
+}
+
+#[test]
+fn mapping_calls_on_every_build() {
+    for variant in VARIANTS {
+        let t = trace(variant, "mapping", &[], &[]);
+        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
+        check(&t, variant);
+    }
+}
+
+/// Under `-f`, a child's mapping calls are its own process's.
+#[test]
+fn mapping_calls_of_a_forked_child() {
+    let dir = scratch("mapping-f");
+    let db = dir.join("trace.db");
+    let program = tracee(Variant::Dynamic, "mapping");
+    let out = run(
+        memptrace()
+            .arg("-o")
+            .arg(&db)
+            .args(["-f", "--", "sh", "-c"])
+            .arg(format!("{}; true", program.display())),
+        b"",
+    );
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let t = open_trace(&db, out);
+    let child: i64 = t.int(
+        "SELECT pid FROM map_events WHERE op = 'mremap' GROUP BY pid",
+    );
+    assert_ne!(child.to_string(), t.meta("pid").unwrap(), "the child's own pid");
+    check(&t, Variant::Dynamic);
+}
+
+/// Attached to a running process: its mapping calls while traced, the
+/// allocator's among them (the victim allocates blocks big enough to be
+/// mapped on their own).
+#[test]
+fn mapping_calls_while_attached() {
+    let mut victim =
+        Background::start(std::process::Command::new(tracee(Variant::Dynamic, "victim")).arg("4"));
+    let pid: i32 = victim.wait_for("ready").parse().unwrap();
+    let dir = scratch("mapping-attach");
+    let db = dir.join("trace.db");
+    let out = run(
+        memptrace()
+            .args(["attach", &pid.to_string(), "--duration", "0.5", "-o"])
+            .arg(&db),
+        b"",
+    );
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let t = open_trace(&db, out);
+    assert!(allocator_calls(&t, "mmap", "malloc") > 0);
+    assert!(allocator_calls(&t, "munmap", "free") > 0);
+    victim.signal(libc::SIGTERM);
+    let end = victim.finish();
+    assert_eq!(end.code(), 0, "{}{}", end.stdout, end.stderr);
+    assert!(end.stdout.contains(" 0 damaged"), "{}", end.stdout);
+}
