@@ -93,6 +93,8 @@ pub enum Error {
     // --- reading a trace ---
     #[error(transparent)]
     Report(#[from] ReportError),
+    #[error(transparent)]
+    Heap(#[from] crate::heap::HeapError),
     #[error("--from ({from}) is after --to ({to}): give the window's start first")]
     EmptyWindow { from: String, to: String },
 }

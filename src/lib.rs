@@ -22,6 +22,7 @@ pub mod addr;
 pub mod cli;
 pub mod error;
 pub mod event;
+pub mod heap;
 pub mod memory;
 pub mod os;
 pub mod program;

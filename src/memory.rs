@@ -52,6 +52,11 @@ impl Snapshot {
         self.regions.insert(addr, bytes.to_vec());
         self
     }
+
+    /// Add every region of `other`.
+    pub fn merge(&mut self, other: Snapshot) {
+        self.regions.extend(other.regions);
+    }
 }
 
 impl Memory for Snapshot {

@@ -18,6 +18,7 @@ use crate::os::{launch, signals};
 use crate::program;
 use crate::progress::ProgressLine;
 use crate::report;
+use crate::report::heapmap::{HeapReport, HeapSource};
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::symbolize::Symbolizer;
 use crate::tracer::{
@@ -63,6 +64,18 @@ pub fn run(config: Config) -> Result<i32, Error> {
                 });
             }
             report::run_window(&trace, &options)?;
+            Ok(0)
+        }
+        Config::Heapmap { source, options } => {
+            match source {
+                HeapSource::Pid(pid) => {
+                    let map = crate::heap::read_process(pid, false)?;
+                    report::show_heapmap(&HeapReport::of(pid.into(), &map), &options)?;
+                }
+                HeapSource::Trace { path, snapshot } => {
+                    report::run_heapmap(&path, snapshot, &options)?
+                }
+            }
             Ok(0)
         }
     }

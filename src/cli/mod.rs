@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::report::heapmap::{HeapSource, HeapmapOptions};
 use crate::report::{
     Color, ExportOptions, FlamegraphOptions, Format, Metric, PlotOptions, ReportOptions,
     WindowOptions,
@@ -65,6 +66,10 @@ pub enum Command {
     /// Classify the blocks live during a window of time, with the bytes
     /// per stack: allocated inside or before it, freed inside it or not.
     Window(WindowArgs),
+    /// Map glibc's heap per arena (in use, free, top, largest free chunk,
+    /// fragmentation, cached, resident), of a running process (read without
+    /// stopping it) or as stored in a trace; -o draws its pages.
+    Heapmap(HeapmapArgs),
 }
 
 /// The trace a report reads.
@@ -421,6 +426,10 @@ pub enum Config {
         trace: PathBuf,
         options: WindowOptions,
     },
+    Heapmap {
+        source: HeapSource,
+        options: HeapmapOptions,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -502,6 +511,7 @@ impl Command {
             Command::Plot(_) => "plot",
             Command::Export(_) => "export",
             Command::Window(_) => "window",
+            Command::Heapmap(_) => "heapmap",
         }
     }
 }
@@ -606,6 +616,7 @@ impl Cli {
                     wrappers: with_before(a.wrappers.wrappers),
                 },
             },
+            Some(Command::Heapmap(a)) => a.into_config().map_err(usage)?,
             Some(Command::Window(mut a)) => Config::Window {
                 trace: a.file.trace,
                 options: WindowOptions {
@@ -621,5 +632,8 @@ impl Cli {
     }
 }
 
+mod heapmap;
 #[cfg(test)]
 mod tests;
+
+pub use heapmap::HeapmapArgs;

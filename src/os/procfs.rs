@@ -183,6 +183,18 @@ pub fn mmap_min_addr() -> u64 {
         .unwrap_or(65536)
 }
 
+/// Which of `pages` pages from `start` are resident in RAM
+/// (/proc/PID/pagemap, `proc(5)`: bit 63 of each page's entry is "page
+/// present"; the bit is readable without privileges, unlike the frame
+/// number).
+pub fn resident_pages(pid: Tid, start: u64, pages: u64) -> io::Result<Vec<bool>> {
+    use std::os::unix::fs::FileExt;
+    let file = fs::File::open(format!("/proc/{pid}/pagemap"))?;
+    let mut bytes = vec![0u8; pages as usize * 8];
+    file.read_exact_at(&mut bytes, start / 4096 * 8)?;
+    Ok(bytes.chunks_exact(8).map(|e| e[7] & 0x80 != 0).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,8 @@
 //! - **calls** of a stack: calls to the allocating functions (all but `free`).
 
 pub mod flame;
+mod heapdraw;
+pub mod heapmap;
 pub mod listing;
 pub mod plot;
 pub mod pprof;
@@ -45,7 +47,9 @@ use std::path::{Path, PathBuf};
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
 use crate::sink::{APPLICATION_ID, SCHEMA_VERSION};
-pub use run::{run_export, run_flamegraph, run_plot, run_report, run_window};
+pub use run::{
+    run_export, run_flamegraph, run_heapmap, run_plot, run_report, run_window, show_heapmap,
+};
 
 /// How a report is printed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -39,7 +39,7 @@ impl Picture {
     }
 }
 
-const FONT: &str = "sans-serif";
+pub(super) const FONT: &str = "sans-serif";
 
 fn register_font() {
     static ONCE: Once = Once::new();
@@ -76,6 +76,40 @@ pub fn draw(
             // plotters writes the file itself when the area is presented.
             let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
             draw_on(&root, analysis, title).map_err(failed)?;
+            root.present().map_err(|e| failed(e.to_string()))
+        }
+    }
+}
+
+/// A picture drawn the same way on either backend.
+pub(super) trait Drawing {
+    fn draw_on<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String>;
+}
+
+/// Draw `drawing` into `path`, SVG or PNG by its extension.
+pub(super) fn render(
+    path: &Path,
+    (width, height): (u32, u32),
+    drawing: &impl Drawing,
+) -> Result<(), ReportError> {
+    register_font();
+    let failed = |e: String| ReportError::Output {
+        path: path.to_path_buf(),
+        what: format!("drawing failed: {e}"),
+    };
+    match Picture::of(path)? {
+        Picture::Svg => {
+            let mut svg = String::new();
+            {
+                let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
+                drawing.draw_on(&root).map_err(failed)?;
+                root.present().map_err(|e| failed(e.to_string()))?;
+            }
+            super::write_file(path, svg.as_bytes())
+        }
+        Picture::Png => {
+            let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
+            drawing.draw_on(&root).map_err(failed)?;
             root.present().map_err(|e| failed(e.to_string()))
         }
     }

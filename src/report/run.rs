@@ -127,3 +127,29 @@ pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportErro
     };
     print(&out)
 }
+
+/// `memptrace heapmap TRACE`: a stored snapshot. (A live process is read
+/// by `session`, which hands the map to [`show_heapmap`].)
+pub fn run_heapmap(
+    path: &Path,
+    snapshot: Option<i64>,
+    options: &super::heapmap::HeapmapOptions,
+) -> Result<(), ReportError> {
+    if let Some(output) = &options.output {
+        check_output(path, output)?;
+    }
+    let trace = open(path)?;
+    let report = super::heapmap::HeapReport::load(&trace, snapshot)?;
+    show_heapmap(&report, options)
+}
+
+/// Print a heap map, and draw it when asked.
+pub fn show_heapmap(
+    report: &super::heapmap::HeapReport,
+    options: &super::heapmap::HeapmapOptions,
+) -> Result<(), ReportError> {
+    if let Some(output) = &options.output {
+        super::heapdraw::draw(output, report)?;
+    }
+    print(&report.render(options.format)?)
+}

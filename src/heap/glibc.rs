@@ -1,0 +1,209 @@
+//! Where glibc's allocator keeps its state in a process, and how that state
+//! is laid out: the runtime addresses of `main_arena` and `mp_` (from the
+//! symbol table of libc, of its debug file, or of a static executable), and
+//! the offsets of the fields the walk reads.
+//!
+//! The offsets are glibc's x86-64 layout since 2.27 (`malloc/malloc.c`,
+//! `malloc/arena.c`), told apart by the sizes of the two symbols: 2200 bytes
+//! of `malloc_state` (with `have_fastchunks`, 2.27+), and 112 bytes of
+//! `malloc_par` (2.27–2.34) or 136 (2.35+: `thp_pagesize`, `hp_pagesize`,
+//! `hp_flags`). Any other size is refused rather than guessed at.
+
+use std::path::{Path, PathBuf};
+
+use goblin::elf::{Elf, program_header, section_header};
+
+use super::HeapError;
+use crate::os::procfs::Mapping;
+use crate::symbols::elf::build_id;
+use crate::symbols::symbolize::{debug_file, parse_debuglink};
+
+/// Offsets (bytes) and constants of glibc's allocator structures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// `sizeof(struct malloc_state)`.
+    pub state_size: u64,
+    /// `malloc_state.fastbinsY`, and how many there are (`NFASTBINS`).
+    pub fastbins: u64,
+    pub nfastbins: usize,
+    pub top: u64,
+    /// `malloc_state.bins`: `NBINS` (128) bins of two pointers, bin 0 unused.
+    pub bins: u64,
+    pub nbins: usize,
+    pub next: u64,
+    pub system_mem: u64,
+    /// `malloc_par` fields.
+    pub n_mmaps: u64,
+    pub mmapped_mem: u64,
+    pub sbrk_base: u64,
+    /// Free-list pointers are mangled (`PROTECT_PTR`, 2.32+); `None` when
+    /// the version does not say and each list is tried both ways.
+    pub safe_linking: Option<bool>,
+    /// The tcache structures this glibc may have: (chunk size, bytes per
+    /// count). 64 bins (`TCACHE_MAX_BINS`).
+    pub tcache: Vec<(u64, u64)>,
+    /// `HEAP_MAX_SIZE`: a thread arena's heaps are aligned to it.
+    pub heap_max: u64,
+}
+
+/// `TCACHE_MAX_BINS`.
+pub const TCACHE_BINS: usize = 64;
+
+impl Layout {
+    /// The layout of a glibc whose `main_arena` and `mp_` have these sizes.
+    pub fn for_sizes(arena_size: u64, mp_size: u64) -> Option<Layout> {
+        if arena_size != 2200 {
+            return None;
+        }
+        let (n_mmaps, mmapped_mem, sbrk_base, safe_linking, tcache) = match mp_size {
+            136 => (60, 80, 96, Some(true), vec![(0x290, 2)]),
+            112 => (40, 56, 72, None, vec![(0x290, 2), (0x250, 1)]),
+            _ => return None,
+        };
+        Some(Layout {
+            state_size: 2200,
+            fastbins: 0x10,
+            nfastbins: 10,
+            top: 0x60,
+            bins: 0x70,
+            nbins: 128,
+            next: 0x870,
+            system_mem: 0x888,
+            n_mmaps,
+            mmapped_mem,
+            sbrk_base,
+            safe_linking,
+            tcache,
+            heap_max: 64 << 20,
+        })
+    }
+}
+
+/// glibc's allocator in one process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Glibc {
+    /// The image that holds it (libc.so.6, or a static executable).
+    pub image: String,
+    pub main_arena: u64,
+    pub mp: u64,
+    pub layout: Layout,
+}
+
+/// An object symbol: its file address and size.
+#[derive(Clone, Copy, Debug)]
+struct Symbol {
+    value: u64,
+    size: u64,
+}
+
+impl Glibc {
+    /// Find glibc's allocator among a process's mappings: in its C library
+    /// (`libc.so.6`, symbols from the debug file under `debug_roots`), or in
+    /// the executable when it is static.
+    pub fn find(maps: &[Mapping], debug_roots: &[PathBuf]) -> Result<Glibc, HeapError> {
+        if maps.iter().any(|m| m.path.contains("ld-musl")) {
+            return Err(HeapError::Musl);
+        }
+        let mut images: Vec<&str> = Vec::new();
+        let exe = maps.iter().find(|m| m.is_file()).map(|m| m.path.as_str());
+        for m in maps.iter().filter(|m| m.is_file()) {
+            let base = m.path.rsplit('/').next().unwrap_or("");
+            let libc = base.starts_with("libc.so") || base.starts_with("libc-");
+            if (libc || Some(m.path.as_str()) == exe) && !images.contains(&m.path.as_str()) {
+                images.push(&m.path);
+            }
+        }
+        let mut missing = None;
+        for path in images {
+            let Ok(bytes) = std::fs::read(path) else {
+                continue;
+            };
+            let Ok(elf) = Elf::parse(&bytes) else {
+                continue;
+            };
+            if symbol(&elf, "__libc_malloc_impl").is_some() {
+                return Err(HeapError::Musl);
+            }
+            let (arena, mp) = match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
+                (Some(a), Some(m)) => (a, m),
+                _ => match from_debug_file(Path::new(path), &elf, &bytes, debug_roots) {
+                    Some(found) => found,
+                    None => {
+                        let is_libc = symbol(&elf, "malloc").is_some()
+                            && (elf.interpreter.is_none() || path.contains("libc"));
+                        if is_libc {
+                            missing = Some(path.to_string());
+                        }
+                        continue;
+                    }
+                },
+            };
+            let Some(bias) = load_bias(&elf, maps, path) else {
+                continue;
+            };
+            let layout = Layout::for_sizes(arena.size, mp.size).ok_or(HeapError::Layout {
+                arena_size: arena.size,
+                mp_size: mp.size,
+            })?;
+            return Ok(Glibc {
+                image: path.to_string(),
+                main_arena: bias.wrapping_add(arena.value),
+                mp: bias.wrapping_add(mp.value),
+                layout,
+            });
+        }
+        Err(match missing {
+            Some(path) => HeapError::NoSymbols(path),
+            None => HeapError::NotGlibc,
+        })
+    }
+}
+
+/// `main_arena` and `mp_` from the image's separate debug file.
+fn from_debug_file(
+    path: &Path,
+    elf: &Elf,
+    bytes: &[u8],
+    roots: &[PathBuf],
+) -> Option<(Symbol, Symbol)> {
+    let link = elf
+        .section_headers
+        .iter()
+        .find(|sh| elf.shdr_strtab.get_at(sh.sh_name) == Some(".gnu_debuglink"))
+        .and_then(|sh| bytes.get(sh.file_range()?))
+        .and_then(parse_debuglink);
+    let id = build_id(elf, bytes);
+    let found = debug_file::find(path, id.as_deref(), link.as_ref(), roots)?;
+    let debug = std::fs::read(&found.path).ok()?;
+    let elf = Elf::parse(&debug).ok()?;
+    Some((symbol(&elf, "main_arena")?, symbol(&elf, "mp_")?))
+}
+
+/// An object symbol by name, from `.symtab` or `.dynsym`.
+fn symbol(elf: &Elf, name: &str) -> Option<Symbol> {
+    let found = |syms: &goblin::elf::Symtab, strtab: &goblin::strtab::Strtab| {
+        syms.iter()
+            .find(|s| {
+                s.st_shndx != section_header::SHN_UNDEF as usize
+                    && strtab.get_at(s.st_name) == Some(name)
+            })
+            .map(|s| Symbol {
+                value: s.st_value,
+                size: s.st_size,
+            })
+    };
+    found(&elf.syms, &elf.strtab).or_else(|| found(&elf.dynsyms, &elf.dynstrtab))
+}
+
+/// Runtime address minus file address for the image at `path`, from the
+/// mapping of its first loadable segment.
+fn load_bias(elf: &Elf, maps: &[Mapping], path: &str) -> Option<u64> {
+    let page = |x: u64| x & !0xfff;
+    maps.iter().filter(|m| m.path == path).find_map(|m| {
+        elf.program_headers
+            .iter()
+            .filter(|ph| ph.p_type == program_header::PT_LOAD)
+            .find(|ph| page(ph.p_offset) == m.offset)
+            .map(|ph| m.start.wrapping_sub(page(ph.p_vaddr)))
+    })
+}
