@@ -21,6 +21,10 @@ pub enum Op {
     Valloc = 7,
     Pvalloc = 8,
     Reallocarray = 9,
+    /// Not a call: a block live when memptrace attached, found by walking
+    /// the heap (`heap::HeapMap::live_blocks`); its size is the block's
+    /// usable size, its stack unknown. Never hooked: not in [`Op::ALL`].
+    Inventory = 10,
 }
 
 impl Op {
@@ -38,6 +42,22 @@ impl Op {
         Op::Reallocarray,
     ];
 
+    /// Every op a trace may hold, in code order: the functions, then
+    /// [`Op::Inventory`]. For decoding stored events.
+    pub const RECORDED: [Op; 11] = [
+        Op::Malloc,
+        Op::Calloc,
+        Op::Realloc,
+        Op::Free,
+        Op::PosixMemalign,
+        Op::AlignedAlloc,
+        Op::Memalign,
+        Op::Valloc,
+        Op::Pvalloc,
+        Op::Reallocarray,
+        Op::Inventory,
+    ];
+
     /// The C name of the function, as stored in `events.op`.
     pub fn name(self) -> &'static str {
         match self {
@@ -51,6 +71,7 @@ impl Op {
             Op::Valloc => "valloc",
             Op::Pvalloc => "pvalloc",
             Op::Reallocarray => "reallocarray",
+            Op::Inventory => "inventory",
         }
     }
 
@@ -59,10 +80,11 @@ impl Op {
     }
 
     pub fn from_code(code: u8) -> Option<Op> {
-        Op::ALL.get(usize::from(code)).copied()
+        Op::RECORDED.get(usize::from(code)).copied()
     }
 
-    /// True for every function that hands a block to the caller (all but free).
+    /// True for every function that hands a block to the caller (all but
+    /// free), and for a block found at attach.
     /// These are the calls whose return value memptrace captures.
     pub fn allocates(self) -> bool {
         self != Op::Free

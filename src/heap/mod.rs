@@ -119,7 +119,7 @@ pub struct HeapRange {
 }
 
 /// One arena as read.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Arena {
     pub addr: u64,
     pub main: bool,
@@ -247,7 +247,7 @@ pub struct MallInfo {
 }
 
 /// A whole heap, as read.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct HeapMap {
     pub arenas: Vec<Arena>,
     /// The blocks glibc mapped on their own.

@@ -213,7 +213,7 @@ struct Block {
 pub struct Analysis {
     pub events: u64,
     /// Indexed by op code.
-    pub ops: [OpStats; 10],
+    pub ops: [OpStats; Op::RECORDED.len()],
     /// Blocks allocated, and the bytes requested for them.
     pub blocks: u64,
     pub bytes: u64,

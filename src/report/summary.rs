@@ -196,7 +196,7 @@ impl Summary {
     ) -> Result<Summary, ReportError> {
         let mut info = TraceInfo::read(trace)?;
         info.events = analysis.events;
-        let functions = Op::ALL
+        let functions = Op::RECORDED
             .iter()
             .map(|&op| {
                 let s = analysis.ops[op as usize];

@@ -105,6 +105,16 @@ pub struct FrameSymbols {
     pub wrapper: bool,
 }
 
+/// A map of a process's heap ([`crate::heap`]), or why there is none.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeapSnapshot {
+    pub ts_ns: u64,
+    pub pid: u32,
+    /// When it was taken: `attach`, `exit` or `detach`.
+    pub moment: String,
+    pub map: Result<crate::heap::HeapMap, String>,
+}
+
 /// Everything a sink stores, in the order it must be stored: a module, frame or
 /// stack node always arrives before the first record that refers to it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,6 +135,8 @@ pub enum Record {
     Event(Event),
     /// A mapping call (mmap, munmap, brk...).
     Map(crate::event::MapEvent),
+    /// A map of glibc's heap, taken at attach, exit or detach.
+    Heap(Box<HeapSnapshot>),
     Symbols(FrameSymbols),
 }
 

@@ -110,6 +110,7 @@ impl Tracer {
         if self.stats.hooked_functions == 0 {
             return Err(TraceError::NoAllocator(pid));
         }
+        self.take_inventory(pid);
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.
         for &tid in resume.keys() {

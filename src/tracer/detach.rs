@@ -216,6 +216,7 @@ impl Tracer {
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
         self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
+        self.map_heaps_at_detach();
         // Allocator calls, and mapping calls, entered through a stub.
         let mut pending: Vec<(Tid, Tid, u64, u64)> = Vec::new();
         for (&tid, t) in self.family.threads.iter_mut() {

@@ -5,6 +5,7 @@
 use rustc_hash::FxHashMap;
 
 use crate::event::{Event, Op};
+use crate::heap::LiveBlock;
 
 /// The raw facts of one call: its registers at entry and its result.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -72,7 +73,7 @@ impl Ledger {
             stack_id: None,
         };
         match op {
-            Op::Malloc | Op::Valloc | Op::Pvalloc => event.size = Some(a0),
+            Op::Malloc | Op::Valloc | Op::Pvalloc | Op::Inventory => event.size = Some(a0),
             Op::Calloc => event.size = a0.checked_mul(a1),
             Op::Realloc => {
                 event.old_ptr = Some(a0);
@@ -126,6 +127,32 @@ impl Ledger {
             event,
             unmatched_release,
         }
+    }
+
+    /// The blocks live in process `pid` when memptrace attached, found by
+    /// walking its heap: one `inventory` event each (size: the usable size;
+    /// no stack), live from now on, so their frees pair with them.
+    pub fn inventory(
+        &mut self,
+        pid: u32,
+        tid: u32,
+        ts_ns: u64,
+        blocks: &[LiveBlock],
+    ) -> Vec<Event> {
+        blocks
+            .iter()
+            .map(|b| {
+                let facts = CallFacts {
+                    pid,
+                    tid,
+                    ts_ns,
+                    args: [b.usable, 0, 0],
+                    ret: b.addr,
+                    stored_ptr: 0,
+                };
+                self.complete(Op::Inventory, &facts).event
+            })
+            .collect()
     }
 
     /// A process is gone (or exec'd): its blocks go with it.
@@ -220,5 +247,34 @@ mod tests {
         assert_eq!(l.live_bytes(), 240 + 1000 + 32);
         l.forget_process(1);
         assert_eq!(l.live_bytes(), 0);
+    }
+
+    #[test]
+    fn inventory_blocks_pair_with_their_frees() {
+        let mut l = Ledger::new();
+        let blocks = [
+            LiveBlock {
+                addr: 0x1000,
+                usable: 24,
+            },
+            LiveBlock {
+                addr: 0x2000,
+                usable: 1000,
+            },
+        ];
+        let events = l.inventory(1, 1, 5, &blocks);
+        assert_eq!(events.len(), 2);
+        assert_eq!(
+            (events[0].op, events[0].ptr, events[0].size),
+            (Op::Inventory, 0x1000, Some(24))
+        );
+        assert_eq!(events[1].stack_id, None);
+        assert_eq!(l.live_bytes(), 1024);
+        let free = l.complete(Op::Free, &facts([0x2000, 0, 0], 0));
+        assert_eq!(free.event.alloc_id, Some(events[1].id));
+        assert!(!free.unmatched_release);
+        assert_eq!(l.live_bytes(), 24);
+        assert!(Op::ALL.iter().all(|&op| op != Op::Inventory));
+        assert_eq!(Op::from_code(10), Some(Op::Inventory));
     }
 }

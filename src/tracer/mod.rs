@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod heapmaps;
 mod images;
 mod inject;
 mod jumps;
@@ -458,6 +459,7 @@ impl Tracer {
             Stopped::Exec => self.exec(tid),
             Stopped::Exiting => {
                 self.release_slots(tid);
+                self.map_heap_at_exit(tid);
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
                 if let Some(thread) = self.family.threads.get_mut(&tid) {

@@ -364,7 +364,13 @@ impl Pipeline {
                 self.processes.remove(&pid);
                 self.seen.forget(Some(pid));
             }
-            TraceMsg::Record(record) => self.out.push(record),
+            TraceMsg::Record(record) => {
+                // Events with no stack to unwind (the inventory at attach).
+                if matches!(record, Record::Event(_)) {
+                    self.result.events += 1;
+                }
+                self.out.push(record)
+            }
             TraceMsg::Map(map) => self.map(*map),
             TraceMsg::Trampolines { pid, areas } => {
                 let process = self.processes.entry(pid).or_default();

@@ -10,6 +10,7 @@
 //! statement. Nothing a view needs may be built only by [`EventSink::finish`]:
 //! a trace that never finished must be queryable as it is.
 
+mod heap;
 mod open_blocks;
 mod schema;
 #[cfg(test)]
@@ -307,6 +308,7 @@ impl SqliteSink {
                 .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
             }
             Record::Map(m) => write_map(conn, m)?,
+            Record::Heap(snap) => heap::write(conn, snap)?,
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())

@@ -175,7 +175,7 @@ fn trust_mark(x: &str) -> String {
 /// `name` of the op of `event_log` row `x`, as a CASE (cheaper than a join,
 /// and computed only when the column is used).
 fn op_name(x: &str) -> String {
-    let arms: Vec<String> = Op::ALL
+    let arms: Vec<String> = Op::RECORDED
         .iter()
         .map(|&op| format!("WHEN {} THEN '{}'", op as u8, op.name()))
         .collect();
@@ -344,8 +344,9 @@ SELECT id, text FROM walk;
 /// The whole schema, for one `execute_batch`, followed by the `ops` rows.
 pub fn ddl() -> String {
     let mut sql = String::from(TABLES);
+    sql.push_str(super::heap::HEAP_TABLES);
     sql.push_str(&views());
-    for op in Op::ALL {
+    for op in Op::RECORDED {
         sql.push_str(&format!(
             "INSERT INTO ops(code, name) VALUES ({}, '{}');\n",
             op as u8,

@@ -3,6 +3,7 @@
 //! views over them in `events`.
 
 mod events;
+mod heap;
 mod tables;
 
 use std::path::{Path, PathBuf};

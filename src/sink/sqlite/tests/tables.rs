@@ -30,7 +30,12 @@ fn creates_the_schema() {
         "frame_lines",
         "frame_text",
         "frames",
+        "heap_arenas",
+        "heap_chunks",
+        "heap_mallinfo",
         "heap_over_time",
+        "heap_pages",
+        "heap_snapshots",
         "leaks",
         "meta",
         "modules",
@@ -46,7 +51,7 @@ fn creates_the_schema() {
         );
     }
     assert_eq!(query_i64(&conn, "PRAGMA user_version"), 1);
-    assert_eq!(query_i64(&conn, "SELECT count(*) FROM ops"), 10);
+    assert_eq!(query_i64(&conn, "SELECT count(*) FROM ops"), 11);
     // The contract's columns, by name.
     conn.prepare(
         "SELECT id, ts_ns, pid, tid, op, ptr, size, old_ptr, align, alloc_id, stack_id FROM events",
