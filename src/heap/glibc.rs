@@ -99,13 +99,17 @@ struct Symbol {
 impl Glibc {
     /// Find glibc's allocator among a process's mappings: in its C library
     /// (`libc.so.6`, symbols from the debug file under `debug_roots`), or in
-    /// the executable when it is static.
-    pub fn find(maps: &[Mapping], debug_roots: &[PathBuf]) -> Result<Glibc, HeapError> {
+    /// the executable `exe` when it is static.
+    pub fn find(
+        maps: &[Mapping],
+        exe: Option<&Path>,
+        debug_roots: &[PathBuf],
+    ) -> Result<Glibc, HeapError> {
         if maps.iter().any(|m| m.path.contains("ld-musl")) {
             return Err(HeapError::Musl);
         }
         let mut images: Vec<&str> = Vec::new();
-        let exe = maps.iter().find(|m| m.is_file()).map(|m| m.path.as_str());
+        let exe = exe.and_then(Path::to_str);
         for m in maps.iter().filter(|m| m.is_file()) {
             let base = m.path.rsplit('/').next().unwrap_or("");
             let libc = base.starts_with("libc.so") || base.starts_with("libc-");

@@ -354,7 +354,8 @@ pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
         io::ErrorKind::NotFound => HeapError::NoSuchProcess(pid),
         _ => HeapError::Denied { pid, source: err },
     })?;
-    let glibc = Glibc::find(&maps, &[PathBuf::from(DEFAULT_DEBUG_ROOT)])?;
+    let exe = procfs::exe(pid);
+    let glibc = Glibc::find(&maps, exe.as_deref(), &[PathBuf::from(DEFAULT_DEBUG_ROOT)])?;
     let mem = crate::os::mem::ProcessMemory(pid);
     // One word of main_arena tells whether the memory can be read at all.
     mem.read_u64(glibc.main_arena)

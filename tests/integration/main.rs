@@ -15,6 +15,7 @@ mod cli;
 mod docs;
 mod faults;
 mod mappings;
+mod memory;
 mod probes;
 mod processes;
 mod report;

@@ -441,6 +441,11 @@ impl Background {
         }
     }
 
+    /// The lines of stdout read so far (by [`Background::wait_for`]).
+    pub fn stdout_so_far(&self) -> String {
+        self.stdout.iter().map(|l| format!("{l}\n")).collect()
+    }
+
     /// Send a signal to the process.
     pub fn signal(&self, sig: i32) {
         signal(self.pid(), sig);
