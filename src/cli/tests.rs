@@ -446,3 +446,48 @@ fn rejects_bad_input() {
     assert!(parse(&["memptrace", "--max-depth", "0", "--", "ls"]).is_err());
     assert!(parse(&["memptrace", "--unwinder", "magic", "--", "ls"]).is_err());
 }
+
+#[test]
+fn heapmap_of_a_process_or_a_trace() {
+    use crate::report::heapmap::{HeapSource, HeapmapOptions};
+    let Ok(Config::Heapmap { source, options }) =
+        parse(&["memptrace", "heapmap", "1234", "-o", "map.png"])
+    else {
+        panic!("not a heapmap");
+    };
+    assert_eq!(source, HeapSource::Pid(1234));
+    assert_eq!(
+        options,
+        HeapmapOptions {
+            format: Format::Text,
+            output: Some(PathBuf::from("map.png")),
+        }
+    );
+    let Ok(Config::Heapmap { source, options }) = parse(&[
+        "memptrace",
+        "heapmap",
+        "t.db",
+        "--snapshot",
+        "2",
+        "--format",
+        "json",
+    ]) else {
+        panic!("not a heapmap");
+    };
+    assert_eq!(
+        source,
+        HeapSource::Trace {
+            path: PathBuf::from("t.db"),
+            snapshot: Some(2)
+        }
+    );
+    assert_eq!(options.format, Format::Json);
+    assert!(
+        parse(&["memptrace", "heapmap", "12", "--snapshot", "1"]).is_err(),
+        "--snapshot reads a trace"
+    );
+    assert!(
+        parse(&["memptrace", "heapmap"]).is_err(),
+        "PID|TRACE is required"
+    );
+}
