@@ -3,8 +3,10 @@
 //! symbol table of libc, of its debug file, or of a static executable), and
 //! the offsets of the fields the walk reads.
 //!
-//! The offsets are glibc's x86-64 layout since 2.27 (`malloc/malloc.c`,
-//! `malloc/arena.c`), told apart by the sizes of the two symbols: 2200 bytes
+//! The offsets come from the DWARF of `malloc.c` in the same file as the
+//! symbols ([`super::dwarf`]) when it has them; otherwise they are glibc's
+//! x86-64 layout since 2.27 (`malloc/malloc.c`, `malloc/arena.c`), told
+//! apart by the sizes of the two symbols: 2200 bytes
 //! of `malloc_state` (with `have_fastchunks`, 2.27+), and 112 bytes of
 //! `malloc_par` (2.27–2.34) or 136 (2.35+: `thp_pagesize`, `hp_pagesize`,
 //! `hp_flags`). Any other size is refused rather than guessed at.
@@ -128,8 +130,8 @@ impl Glibc {
             if symbol(&elf, "__libc_malloc_impl").is_some() {
                 return Err(HeapError::Musl);
             }
-            let (arena, mp) = match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
-                (Some(a), Some(m)) => (a, m),
+            let (arena, mp, dwarf) = match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
+                (Some(a), Some(m)) => (a, m, super::dwarf::layout(&bytes)),
                 _ => match from_debug_file(Path::new(path), &elf, &bytes, debug_roots) {
                     Some(found) => found,
                     None => {
@@ -145,10 +147,13 @@ impl Glibc {
             let Some(bias) = load_bias(&elf, maps, path) else {
                 continue;
             };
-            let layout = Layout::for_sizes(arena.size, mp.size).ok_or(HeapError::Layout {
-                arena_size: arena.size,
-                mp_size: mp.size,
-            })?;
+            let layout = match dwarf {
+                Some(layout) if layout.state_size == arena.size => layout,
+                _ => Layout::for_sizes(arena.size, mp.size).ok_or(HeapError::Layout {
+                    arena_size: arena.size,
+                    mp_size: mp.size,
+                })?,
+            };
             return Ok(Glibc {
                 image: path.to_string(),
                 main_arena: bias.wrapping_add(arena.value),
@@ -163,13 +168,14 @@ impl Glibc {
     }
 }
 
-/// `main_arena` and `mp_` from the image's separate debug file.
+/// `main_arena` and `mp_` from the image's separate debug file, and the
+/// layout its DWARF states.
 fn from_debug_file(
     path: &Path,
     elf: &Elf,
     bytes: &[u8],
     roots: &[PathBuf],
-) -> Option<(Symbol, Symbol)> {
+) -> Option<(Symbol, Symbol, Option<Layout>)> {
     let link = elf
         .section_headers
         .iter()
@@ -180,7 +186,8 @@ fn from_debug_file(
     let found = debug_file::find(path, id.as_deref(), link.as_ref(), roots)?;
     let debug = std::fs::read(&found.path).ok()?;
     let elf = Elf::parse(&debug).ok()?;
-    Some((symbol(&elf, "main_arena")?, symbol(&elf, "mp_")?))
+    let (arena, mp) = (symbol(&elf, "main_arena")?, symbol(&elf, "mp_")?);
+    Some((arena, mp, super::dwarf::layout(&debug)))
 }
 
 /// An object symbol by name, from `.symtab` or `.dynsym`.

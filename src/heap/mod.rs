@@ -16,6 +16,7 @@
 //! again, up to `attempts` times 2 ms apart. Arenas are copied one after
 //! the other, milliseconds apart: a live map is not one instant.
 
+mod dwarf;
 mod glibc;
 #[cfg(test)]
 mod tests;
