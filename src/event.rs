@@ -44,19 +44,15 @@ impl Op {
 
     /// Every op a trace may hold, in code order: the functions, then
     /// [`Op::Inventory`]. For decoding stored events.
-    pub const RECORDED: [Op; 11] = [
-        Op::Malloc,
-        Op::Calloc,
-        Op::Realloc,
-        Op::Free,
-        Op::PosixMemalign,
-        Op::AlignedAlloc,
-        Op::Memalign,
-        Op::Valloc,
-        Op::Pvalloc,
-        Op::Reallocarray,
-        Op::Inventory,
-    ];
+    pub const RECORDED: [Op; Op::ALL.len() + 1] = {
+        let mut ops = [Op::Inventory; Op::ALL.len() + 1];
+        let mut i = 0;
+        while i < Op::ALL.len() {
+            ops[i] = Op::ALL[i];
+            i += 1;
+        }
+        ops
+    };
 
     /// The C name of the function, as stored in `events.op`.
     pub fn name(self) -> &'static str {

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::text::bytes;
 use super::{Format, ReportError, Trace};
-use crate::heap::{HeapMap, MallInfo, PageRun, PageState};
+use crate::heap::{ArenaSummary, HeapMap, MallInfo, PageRun, PageState};
 
 /// What `heapmap` reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,16 +37,8 @@ pub struct ArenaRow {
     pub arena: u64,
     /// `main` or `thread`.
     pub kind: String,
-    pub heaps: u64,
-    pub system: u64,
-    pub in_use: u64,
-    pub free: u64,
-    pub top: u64,
-    pub largest_free: u64,
-    pub fragmentation: f64,
-    pub blocks: u64,
-    pub cached: u64,
-    pub resident: Option<u64>,
+    #[serde(flatten)]
+    pub numbers: ArenaSummary,
     pub locked: bool,
     pub error: Option<String>,
 }
@@ -81,24 +73,12 @@ impl HeapReport {
             arenas: map
                 .arenas
                 .iter()
-                .map(|a| {
-                    let s = a.summary();
-                    ArenaRow {
-                        arena: a.addr,
-                        kind: if a.main { "main" } else { "thread" }.to_string(),
-                        heaps: s.heaps,
-                        system: s.system,
-                        in_use: s.in_use,
-                        free: s.free,
-                        top: s.top,
-                        largest_free: s.largest_free,
-                        fragmentation: s.fragmentation,
-                        blocks: s.blocks,
-                        cached: s.cached,
-                        resident: s.resident,
-                        locked: a.locked,
-                        error: a.error.clone(),
-                    }
+                .map(|a| ArenaRow {
+                    arena: a.addr,
+                    kind: if a.main { "main" } else { "thread" }.to_string(),
+                    numbers: a.summary(),
+                    locked: a.locked,
+                    error: a.error.clone(),
                 })
                 .collect(),
             mmapped_blocks: map.mmapped.len() as u64,
@@ -151,16 +131,18 @@ impl HeapReport {
                 Ok(ArenaRow {
                     arena: r.get::<_, i64>(0)? as u64,
                     kind: r.get(1)?,
-                    heaps: u(2)?,
-                    system: u(3)?,
-                    in_use: u(4)?,
-                    free: u(5)?,
-                    top: u(6)?,
-                    largest_free: u(7)?,
-                    fragmentation: r.get(8)?,
-                    blocks: u(9)?,
-                    cached: u(10)?,
-                    resident: r.get::<_, Option<i64>>(11)?.map(|v| v as u64),
+                    numbers: ArenaSummary {
+                        heaps: u(2)?,
+                        system: u(3)?,
+                        in_use: u(4)?,
+                        free: u(5)?,
+                        top: u(6)?,
+                        largest_free: u(7)?,
+                        fragmentation: r.get(8)?,
+                        blocks: u(9)?,
+                        cached: u(10)?,
+                        resident: r.get::<_, Option<i64>>(11)?.map(|v| v as u64),
+                    },
                     locked: r.get(12)?,
                     error: r.get(13)?,
                 })
@@ -292,19 +274,20 @@ impl HeapReport {
                     a.arena
                 ));
             }
+            let n = &a.numbers;
             rows.push(vec![
                 format!("{:#x}", a.arena),
                 a.kind.clone(),
-                a.heaps.to_string(),
-                bytes(a.system),
-                bytes(a.in_use),
-                bytes(a.free),
-                bytes(a.top),
-                bytes(a.largest_free),
-                format!("{:.0}%", a.fragmentation * 100.0),
-                a.blocks.to_string(),
-                bytes(a.cached),
-                a.resident.map_or("?".into(), bytes),
+                n.heaps.to_string(),
+                bytes(n.system),
+                bytes(n.in_use),
+                bytes(n.free),
+                bytes(n.top),
+                bytes(n.largest_free),
+                format!("{:.0}%", n.fragmentation * 100.0),
+                n.blocks.to_string(),
+                bytes(n.cached),
+                n.resident.map_or("?".into(), bytes),
             ]);
         }
         let widths: Vec<usize> = (0..header.len())

@@ -55,29 +55,20 @@ pub fn draw(
     path: &Path,
     analysis: &Analysis,
     title: &str,
-    (width, height): (u32, u32),
+    size: (u32, u32),
 ) -> Result<(), ReportError> {
-    register_font();
-    let failed = |e: String| ReportError::Output {
-        path: path.to_path_buf(),
-        what: format!("drawing failed: {e}"),
-    };
-    match Picture::of(path)? {
-        Picture::Svg => {
-            let mut svg = String::new();
-            {
-                let root = SVGBackend::with_string(&mut svg, (width, height)).into_drawing_area();
-                draw_on(&root, analysis, title).map_err(failed)?;
-                root.present().map_err(|e| failed(e.to_string()))?;
-            }
-            super::write_file(path, svg.as_bytes())
-        }
-        Picture::Png => {
-            // plotters writes the file itself when the area is presented.
-            let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
-            draw_on(&root, analysis, title).map_err(failed)?;
-            root.present().map_err(|e| failed(e.to_string()))
-        }
+    render(path, size, &Plot { analysis, title })
+}
+
+/// The plot as a [`Drawing`].
+struct Plot<'a> {
+    analysis: &'a Analysis,
+    title: &'a str,
+}
+
+impl Drawing for Plot<'_> {
+    fn draw_on<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<(), String> {
+        draw_on(root, self.analysis, self.title)
     }
 }
 
@@ -108,6 +99,7 @@ pub(super) fn render(
             super::write_file(path, svg.as_bytes())
         }
         Picture::Png => {
+            // plotters writes the file itself when the area is presented.
             let root = BitMapBackend::new(path, (width, height)).into_drawing_area();
             drawing.draw_on(&root).map_err(failed)?;
             root.present().map_err(|e| failed(e.to_string()))

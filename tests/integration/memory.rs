@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use crate::support::{
-    Background, Variant, memptrace, open_trace, run, scratch, tracee, wait_until,
+    Background, Trace, Variant, memptrace, open_trace, run, scratch, tracee, wait_until,
 };
 
 /// The glibc builds.
@@ -55,6 +55,32 @@ fn truth(stdout: &str) -> Truth {
     t
 }
 
+/// mallinfo2 of the stored snapshot taken at `moment`.
+fn stored_mallinfo(t: &Trace, moment: &str) -> Vec<u64> {
+    t.db.query_row(
+        &format!(
+            "SELECT {} FROM heap_mallinfo m JOIN heap_snapshots s ON s.id = m.snapshot_id
+             WHERE s.moment = ?1",
+            MALLINFO.join(", ")
+        ),
+        [moment],
+        |r| {
+            (0..10)
+                .map(|i| r.get::<_, i64>(i).map(|v| v as u64))
+                .collect()
+        },
+    )
+    .unwrap()
+}
+
+/// mallinfo2 of `heapmap --format json`.
+fn json_mallinfo(json: &serde_json::Value) -> Vec<u64> {
+    MALLINFO
+        .iter()
+        .map(|k| json["mallinfo"][k].as_u64().unwrap())
+        .collect()
+}
+
 fn start(variant: Variant) -> Background {
     Background::interactive(Command::new(tracee(variant, "heapmap")).arg("wait"))
 }
@@ -74,10 +100,7 @@ fn heapmap_of_a_running_process_equals_mallinfo2() {
         assert_eq!(out.code(), 0, "{variant:?}: {}", out.stderr);
         assert_eq!(out.stderr, "");
         let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
-        let mallinfo: Vec<u64> = MALLINFO
-            .iter()
-            .map(|k| json["mallinfo"][k].as_u64().unwrap())
-            .collect();
+        let mallinfo = json_mallinfo(&json);
         assert_eq!(mallinfo, truth.mallinfo, "{variant:?}: {}", out.stdout);
         let arenas = json["arenas"].as_array().unwrap();
         assert_eq!(arenas.len(), 3, "{variant:?}: main and two thread arenas");
@@ -141,22 +164,7 @@ fn heap_at_exit_equals_mallinfo2() {
         let truth = truth(&out.stdout);
         let t = open_trace(&db, out);
         t.assert_sound();
-        let stored: Vec<u64> =
-            t.db.query_row(
-                &format!(
-                    "SELECT {} FROM heap_mallinfo m JOIN heap_snapshots s ON s.id = m.snapshot_id
-                     WHERE s.moment = 'exit'",
-                    MALLINFO.join(", ")
-                ),
-                [],
-                |r| {
-                    (0..10)
-                        .map(|i| r.get::<_, i64>(i).map(|v| v as u64))
-                        .collect()
-                },
-            )
-            .unwrap();
-        assert_eq!(stored, truth.mallinfo, "{variant:?}");
+        assert_eq!(stored_mallinfo(&t, "exit"), truth.mallinfo, "{variant:?}");
         assert_eq!(
             t.int("SELECT count(*) FROM heap_arenas WHERE error IS NULL AND NOT locked"),
             3
@@ -183,10 +191,7 @@ fn heap_at_exit_equals_mallinfo2() {
         assert_eq!(report.code(), 0, "{}", report.stderr);
         let json: serde_json::Value = serde_json::from_str(&report.stdout).unwrap();
         assert_eq!(json["moment"], "exit");
-        let mallinfo: Vec<u64> = MALLINFO
-            .iter()
-            .map(|k| json["mallinfo"][k].as_u64().unwrap())
-            .collect();
+        let mallinfo = json_mallinfo(&json);
         assert_eq!(mallinfo, truth.mallinfo);
         // And draws its pages.
         let png = scratch("heap-exit").join("map.png");
@@ -291,22 +296,7 @@ fn inventory_at_attach_is_every_live_block() {
             "{variant:?}: a free of a block the inventory missed"
         );
         // The heap at attach is the one the tracee described.
-        let stored: Vec<u64> =
-            t.db.query_row(
-                &format!(
-                    "SELECT {} FROM heap_mallinfo m JOIN heap_snapshots s ON s.id = m.snapshot_id
-                     WHERE s.moment = 'attach'",
-                    MALLINFO.join(", ")
-                ),
-                [],
-                |r| {
-                    (0..10)
-                        .map(|i| r.get::<_, i64>(i).map(|v| v as u64))
-                        .collect()
-                },
-            )
-            .unwrap();
-        assert_eq!(stored, truth.mallinfo, "{variant:?}");
+        assert_eq!(stored_mallinfo(&t, "attach"), truth.mallinfo, "{variant:?}");
         // Leaks in attach mode count the blocks from before it: the ones
         // glibc itself never frees.
         assert_eq!(
