@@ -88,6 +88,9 @@ pub struct Glibc {
     pub image: String,
     pub main_arena: u64,
     pub mp: u64,
+    /// `narenas` (arena.c): arenas created, counted before one is made and
+    /// linked; `None` when the symbol is missing.
+    pub narenas: Option<u64>,
     pub layout: Layout,
 }
 
@@ -130,20 +133,23 @@ impl Glibc {
             if symbol(&elf, "__libc_malloc_impl").is_some() {
                 return Err(HeapError::Musl);
             }
-            let (arena, mp, dwarf) = match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
-                (Some(a), Some(m)) => (a, m, super::dwarf::layout(&bytes)),
-                _ => match from_debug_file(Path::new(path), &elf, &bytes, debug_roots) {
-                    Some(found) => found,
-                    None => {
-                        let is_libc = symbol(&elf, "malloc").is_some()
-                            && (elf.interpreter.is_none() || path.contains("libc"));
-                        if is_libc {
-                            missing = Some(path.to_string());
-                        }
-                        continue;
+            let (arena, mp, narenas, dwarf) =
+                match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
+                    (Some(a), Some(m)) => {
+                        (a, m, symbol(&elf, "narenas"), super::dwarf::layout(&bytes))
                     }
-                },
-            };
+                    _ => match from_debug_file(Path::new(path), &elf, &bytes, debug_roots) {
+                        Some(found) => found,
+                        None => {
+                            let is_libc = symbol(&elf, "malloc").is_some()
+                                && (elf.interpreter.is_none() || path.contains("libc"));
+                            if is_libc {
+                                missing = Some(path.to_string());
+                            }
+                            continue;
+                        }
+                    },
+                };
             let Some(bias) = load_bias(&elf, maps, path) else {
                 continue;
             };
@@ -158,6 +164,7 @@ impl Glibc {
                 image: path.to_string(),
                 main_arena: bias.wrapping_add(arena.value),
                 mp: bias.wrapping_add(mp.value),
+                narenas: narenas.map(|n| bias.wrapping_add(n.value)),
                 layout,
             });
         }
@@ -175,7 +182,7 @@ fn from_debug_file(
     elf: &Elf,
     bytes: &[u8],
     roots: &[PathBuf],
-) -> Option<(Symbol, Symbol, Option<Layout>)> {
+) -> Option<(Symbol, Symbol, Option<Symbol>, Option<Layout>)> {
     let link = elf
         .section_headers
         .iter()
@@ -187,7 +194,8 @@ fn from_debug_file(
     let debug = std::fs::read(&found.path).ok()?;
     let elf = Elf::parse(&debug).ok()?;
     let (arena, mp) = (symbol(&elf, "main_arena")?, symbol(&elf, "mp_")?);
-    Some((arena, mp, super::dwarf::layout(&debug)))
+    let narenas = symbol(&elf, "narenas");
+    Some((arena, mp, narenas, super::dwarf::layout(&debug)))
 }
 
 /// An object symbol by name, from `.symtab` or `.dynsym`.

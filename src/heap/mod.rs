@@ -258,6 +258,9 @@ pub struct HeapMap {
     pub mmapped_mem: u64,
     /// Why the mmapped blocks found do not match glibc's count.
     pub mmapped_error: Option<String>,
+    /// glibc's count of arenas (`narenas`): more than were found on the
+    /// list while a thread is making one.
+    pub narenas: Option<u64>,
     pub pages: Vec<PageRun>,
 }
 
@@ -314,9 +317,12 @@ impl HeapMap {
         m
     }
 
-    /// True when every arena and the mmapped blocks were read.
+    /// True when every arena and the mmapped blocks were read, and no
+    /// arena was being made.
     pub fn complete(&self) -> bool {
-        self.mmapped_error.is_none() && self.arenas.iter().all(|a| a.error.is_none())
+        self.mmapped_error.is_none()
+            && self.arenas.iter().all(|a| a.error.is_none())
+            && self.narenas.is_none_or(|n| n <= self.arenas.len() as u64)
     }
 }
 

@@ -14,6 +14,7 @@ fn glibc() -> Glibc {
         image: "libc.so.6".into(),
         main_arena: ARENA,
         mp: MP,
+        narenas: None,
         layout: Layout::for_sizes(2200, 136).unwrap(),
     }
 }

@@ -350,6 +350,7 @@ pub(super) fn read_heap(
         };
     map.n_mmaps = n_mmaps;
     map.mmapped_mem = mmapped_mem;
+    map.narenas = g.narenas.and_then(|at| word(mem, at).ok());
     let mut all = Snapshot::new();
     let mut arena = g.main_arena;
     loop {

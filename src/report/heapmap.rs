@@ -56,6 +56,8 @@ pub struct HeapReport {
     pub mmapped_blocks: u64,
     pub mmapped_bytes: u64,
     pub mmapped_error: Option<String>,
+    /// glibc's count of arenas, when known.
+    pub narenas: Option<u64>,
     /// Blocks the program holds (in-use chunks and mmapped blocks).
     pub live_blocks: u64,
     pub live_bytes: u64,
@@ -84,6 +86,7 @@ impl HeapReport {
             mmapped_blocks: map.mmapped.len() as u64,
             mmapped_bytes: map.mmapped.iter().map(|c| c.size).sum(),
             mmapped_error: map.mmapped_error.clone(),
+            narenas: map.narenas,
             live_blocks: live.len() as u64,
             live_bytes: live.iter().map(|b| b.usable).sum(),
             mallinfo: map.mallinfo(),
@@ -166,11 +169,11 @@ impl HeapReport {
         report.live_bytes = bytes as u64;
         report.mmapped_blocks = mblocks as u64;
         report.mmapped_bytes = mbytes as u64;
-        report.mmapped_error = conn
+        (report.mmapped_error, report.narenas) = conn
             .query_row(
-                "SELECT mmapped_error FROM heap_snapshots WHERE id = ?1",
+                "SELECT mmapped_error, narenas FROM heap_snapshots WHERE id = ?1",
                 [snapshot],
-                |r| r.get(0),
+                |r| Ok((r.get(0)?, r.get::<_, Option<i64>>(1)?.map(|n| n as u64))),
             )
             .map_err(q)?;
         report.mallinfo = conn
@@ -321,6 +324,12 @@ impl HeapReport {
         ));
         if let Some(error) = &self.mmapped_error {
             notes.push(format!("mmapped blocks: {error}"));
+        }
+        if let Some(n) = self.narenas.filter(|&n| n > self.arenas.len() as u64) {
+            notes.push(format!(
+                "glibc counts {n} arenas, {} were found: one was being made",
+                self.arenas.len()
+            ));
         }
         out.push_str(&format!(
             "live blocks: {}, {}\n",

@@ -110,6 +110,7 @@ fn heapmap_of_a_running_process_equals_mallinfo2() {
                 .all(|a| a["error"].is_null() && a["locked"] == false)
         );
         assert_eq!(arenas[0]["kind"], "main");
+        assert_eq!(json["narenas"], 3, "{variant:?}: glibc's own count");
         assert_eq!(json["mmapped_blocks"], 2, "{variant:?}");
         assert!(json["mmapped_error"].is_null());
         // Each worker kept 10 blocks in its arena.

@@ -25,6 +25,7 @@ CREATE TABLE heap_snapshots(
     n_mmaps INTEGER,
     mmapped_mem INTEGER,
     mmapped_error TEXT,
+    narenas INTEGER,
     chunks INTEGER,
     chunks_stored INTEGER
 );
@@ -84,8 +85,8 @@ pub fn write(conn: &Connection, snap: &HeapSnapshot) -> rusqlite::Result<()> {
     let stored = chunks.min(MAX_CHUNK_ROWS);
     conn.prepare_cached(
         "INSERT INTO heap_snapshots(ts_ns, pid, moment, error, n_mmaps, mmapped_mem,
-                                    mmapped_error, chunks, chunks_stored)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                    mmapped_error, narenas, chunks, chunks_stored)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     )?
     .execute(params![
         int(snap.ts_ns),
@@ -95,6 +96,7 @@ pub fn write(conn: &Connection, snap: &HeapSnapshot) -> rusqlite::Result<()> {
         error.is_none().then_some(int(map.n_mmaps)),
         error.is_none().then_some(int(map.mmapped_mem)),
         map.mmapped_error,
+        map.narenas.map(int),
         chunks as i64,
         stored as i64
     ])?;

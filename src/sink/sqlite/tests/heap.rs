@@ -55,6 +55,7 @@ fn stores_a_snapshot_and_its_mallinfo() {
         n_mmaps: 1,
         mmapped_mem: 0x4000,
         mmapped_error: None,
+        narenas: Some(3),
         pages: vec![PageRun {
             addr: 0x1000_0000,
             pages: 33,
