@@ -38,4 +38,3 @@ pub fn named<'a>(
     let op = *module.image.got_slots.get(&svma.0)?;
     ops.contains(&op).then_some(op)
 }
-

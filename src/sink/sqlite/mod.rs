@@ -307,6 +307,21 @@ impl SqliteSink {
                 .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
             }
             Record::Map(m) => write_map(conn, m)?,
+            Record::Rss(r) => {
+                conn.prepare_cached(
+                    "INSERT INTO rss(ts_ns, pid, rss, anon, file, shmem, mapped) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?)",
+                )?
+                .execute(params![
+                    int(r.ts_ns),
+                    r.pid,
+                    int(r.rss),
+                    int(r.anon),
+                    int(r.file),
+                    int(r.shmem),
+                    int(r.mapped)
+                ])?;
+            }
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())
@@ -470,7 +485,16 @@ fn write_map(conn: &rusqlite::Connection, m: &crate::event::MapEvent) -> Result<
             Some(Num::Int(a5 as i64)),
             none,
         ),
-        MapOp::Munmap => (Some(int(a0)), Some(int(a1)), none, none, none, none, none, none),
+        MapOp::Munmap => (
+            Some(int(a0)),
+            Some(int(a1)),
+            none,
+            none,
+            none,
+            none,
+            none,
+            none,
+        ),
         MapOp::Mremap => (
             Some(int(a0)),
             Some(int(a1)),
@@ -483,7 +507,16 @@ fn write_map(conn: &rusqlite::Connection, m: &crate::event::MapEvent) -> Result<
         ),
         MapOp::Brk => (Some(int(a0)), none, none, none, none, none, none, none),
         // sbrk's increment is signed.
-        MapOp::Sbrk => (None, Some(Num::Int(a0 as i64)), none, none, none, none, none, none),
+        MapOp::Sbrk => (
+            None,
+            Some(Num::Int(a0 as i64)),
+            none,
+            none,
+            none,
+            none,
+            none,
+            none,
+        ),
         MapOp::Madvise => (
             Some(int(a0)),
             Some(int(a1)),
