@@ -10,7 +10,7 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::support::{
-    Background, VARIANTS, Variant, memptrace, open_trace, scratch, trace, tracee, wait_until,
+    Background, VARIANTS, Variant, memptrace, open_trace, run, scratch, trace, tracee, wait_until,
 };
 
 /// What the tracee touches (`TOUCHED` in resident.c) and requests untouched.
@@ -141,7 +141,48 @@ fn resident_memory_rises_and_falls_on_every_build() {
             "SELECT count(*) FROM rss WHERE anon >= {TOUCHED} AND ts_ns > {first_event}"
         ));
         assert!(after > 0, "{variant:?}: the rise follows the malloc");
+        if variant == Variant::Dynamic {
+            plots(&db);
+        }
     }
+}
+
+/// `memptrace plot` of a trace with samples draws them beside the heap; of
+/// one without the table (older traces), the heap alone.
+fn plots(db: &Path) {
+    let dir = db.parent().unwrap();
+    let svg = dir.join("memory.svg");
+    let out = run(memptrace().arg("plot").arg(db).arg("-o").arg(&svg), b"");
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    roxmltree::Document::parse(&text).expect("the SVG is well-formed XML");
+    for label in [
+        "heap in use (requested)",
+        "resident (RSS)",
+        "resident anonymous",
+        "mapped",
+        "RSS peak",
+    ] {
+        assert!(text.contains(label), "{label} in the plot");
+    }
+    let png = dir.join("memory.png");
+    let out = run(memptrace().arg("plot").arg(db).arg("-o").arg(&png), b"");
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    assert_eq!(decoder.read_info().expect("a PNG").info().width, 1200);
+
+    let old = dir.join("old.db");
+    std::fs::copy(db, &old).unwrap();
+    Connection::open(&old)
+        .unwrap()
+        .execute_batch("DROP TABLE rss")
+        .unwrap();
+    let svg = dir.join("old.svg");
+    let out = run(memptrace().arg("plot").arg(&old).arg("-o").arg(&svg), b"");
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("Heap in use over time: peak"));
+    assert!(!text.contains("resident (RSS)"));
 }
 
 #[test]
