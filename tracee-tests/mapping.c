@@ -6,9 +6,14 @@
  *
  *     map <function> <op> <calls>
  *
- * and `big <blocks>` for the blocks whose mapping the allocator made. */
+ * and `big <blocks>` for the blocks whose mapping the allocator made. With
+ * the argument `wait` it first prints "ready PID" and waits for a line on
+ * stdin, so that memptrace can attach before any of it.
+ *
+ * usage: mapping [wait] */
 #define _GNU_SOURCE
 #include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -56,9 +61,13 @@ NOINLINE void map_break(intptr_t delta)
     truth_sink = sbrk(delta);
 }
 
+/* Called through a pointer, as programs with pluggable allocators do
+ * (Python's PyMem_RawMalloc): no call instruction names malloc. */
+void *(*volatile allocate)(size_t) = malloc;
+
 NOINLINE void *big_alloc(size_t n)
 {
-    void *p = malloc(n);
+    void *p = allocate(n);
     truth_sink = p;
     return p;
 }
@@ -69,8 +78,15 @@ NOINLINE void big_release(void *p)
     truth_sink = NULL;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "wait") == 0) {
+        char line[16];
+        printf("ready %d\n", (int)getpid());
+        fflush(stdout);
+        if (!fgets(line, sizeof line, stdin))
+            return 2;
+    }
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     for (int i = 0; i < ROUNDS; i++) {
         char *p = map_region(4 * page);

@@ -34,6 +34,16 @@ const ALLOCATOR_NAMES: [(&str, Op); 10] = [
     ("reallocarray", Op::Reallocarray),
 ];
 
+/// The bodies of allocator functions whose public names only jump to them
+/// (musl), for telling a mapping call made inside the allocator.
+const BODY_NAMES: [(&str, Op); 5] = [
+    ("__libc_malloc_impl", Op::Malloc),
+    ("__libc_malloc", Op::Malloc),
+    ("__libc_free", Op::Free),
+    ("__libc_calloc", Op::Calloc),
+    ("__libc_realloc", Op::Realloc),
+];
+
 /// The mapping functions, under every name the C libraries give them (the
 /// internal aliases are the same code: one hook each).
 const MAPPING_NAMES: [(&str, MapOp); 16] = [
@@ -74,6 +84,9 @@ const DEBUG_STATE: &str = "_dl_debug_state";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AllocatorEntry {
     pub svma: Svma,
+    /// The function's size from its symbol (0 when unknown: a signature
+    /// match).
+    pub size: u64,
     pub ops: Vec<Op>,
     pub found_by: FoundBy,
 }
@@ -160,6 +173,9 @@ pub struct ElfImage {
     pub debug_state: Option<Svma>,
     /// Code ranges whose frees of unknown blocks are allocator housekeeping.
     pub housekeeping: Vec<Range<u64>>,
+    /// The code of allocator functions whose public entry only jumps to it
+    /// (musl's `malloc` is a jump to `__libc_malloc_impl`).
+    pub allocator_bodies: Vec<(Range<u64>, Op)>,
     /// Mapping functions (mmap, munmap, brk...) by SVMA.
     pub mappings: BTreeMap<u64, MapOp>,
     pub has_symtab: bool,
@@ -281,6 +297,7 @@ impl ElfImage {
             allocators: Vec::new(),
             debug_state: None,
             housekeeping: Vec::new(),
+            allocator_bodies: Vec::new(),
             mappings: BTreeMap::new(),
             has_symtab: !elf.syms.is_empty(),
             text: section_range(".text"),
@@ -312,7 +329,7 @@ impl ElfImage {
     /// `elf`'s symbol tables name: the image's own, or those of its debug
     /// file (`found_by`). Entries found before are kept.
     pub(crate) fn collect_symbols(&mut self, elf: &Elf, found_by: &FoundBy) {
-        let mut by_addr: BTreeMap<u64, Vec<Op>> = BTreeMap::new();
+        let mut by_addr: BTreeMap<u64, (u64, Vec<Op>)> = BTreeMap::new();
         let tables = [(&elf.syms, &elf.strtab), (&elf.dynsyms, &elf.dynstrtab)];
         for (syms, strtab) in tables {
             for s in syms.iter() {
@@ -326,13 +343,20 @@ impl ElfImage {
                 };
                 if s.st_type() == sym::STT_FUNC {
                     if let Some(&(_, op)) = ALLOCATOR_NAMES.iter().find(|(n, _)| *n == name) {
-                        let ops = by_addr.entry(s.st_value).or_default();
+                        let (size, ops) = by_addr.entry(s.st_value).or_default();
+                        *size = (*size).max(s.st_size);
                         if !ops.contains(&op) {
                             ops.push(op);
                         }
                     }
                     if let Some(&(_, op)) = MAPPING_NAMES.iter().find(|(n, _)| *n == name) {
                         self.mappings.entry(s.st_value).or_insert(op);
+                    }
+                    if let Some(&(_, op)) = BODY_NAMES.iter().find(|(n, _)| *n == name) {
+                        let range = s.st_value..s.st_value + s.st_size;
+                        if s.st_size > 0 && !self.allocator_bodies.contains(&(range.clone(), op)) {
+                            self.allocator_bodies.push((range, op));
+                        }
                     }
                     if HOUSEKEEPING_NAMES.contains(&name) && s.st_size > 0 {
                         let range = s.st_value..s.st_value + s.st_size;
@@ -346,8 +370,11 @@ impl ElfImage {
                 }
             }
         }
-        for (svma, ops) in by_addr {
+        for (svma, (size, ops)) in by_addr {
             self.add_allocator(Svma(svma), &ops, found_by);
+            if let Some(entry) = self.allocators.iter_mut().find(|a| a.svma.0 == svma) {
+                entry.size = entry.size.max(size);
+            }
         }
     }
 
@@ -360,6 +387,7 @@ impl ElfImage {
                 at,
                 AllocatorEntry {
                     svma,
+                    size: 0,
                     ops: Vec::new(),
                     found_by: found_by.clone(),
                 },
@@ -372,6 +400,22 @@ impl ElfImage {
             }
         }
         entry.ops.sort_by_key(|op| preference(*op));
+    }
+
+    /// The allocator function whose code holds `svma` (by its symbol's
+    /// size, or its body's), if any.
+    pub fn allocator_containing(&self, svma: Svma) -> Option<Op> {
+        let at = self.allocators.partition_point(|a| a.svma.0 <= svma.0);
+        let entry = self.allocators[..at]
+            .last()
+            .filter(|e| svma.0 < e.svma.0 + e.size)
+            .map(AllocatorEntry::default_op);
+        entry.or_else(|| {
+            self.allocator_bodies
+                .iter()
+                .find(|(range, _)| range.contains(&svma.0))
+                .map(|&(_, op)| op)
+        })
     }
 
     /// Use `section` as the image's `.debug_frame`.

@@ -527,13 +527,15 @@ impl Pipeline {
         if self.ips.is_empty() && caller != 0 {
             self.ips.push(caller);
         }
-        // The allocator call it was made in: by the stack, or, where the
-        // stack ends early (an allocator without unwind tables: musl), by
-        // the return addresses left in the stack copy.
+        // The allocator call it was made in, the outermost: by a frame
+        // inside an allocator function or just after a call of one, or,
+        // where the stack ends early (an allocator without unwind tables:
+        // musl), by the return addresses left in the stack copy.
         event.by_allocator = self
             .ips
             .iter()
-            .find_map(|&ip| allocator_called_before(ip, &image_at))
+            .rev()
+            .find_map(|&ip| allocator_frame(ip, &image_at))
             .or_else(|| copy.and_then(|s| allocator_call_in_copy(&s, &image_at)));
         if self.stacks {
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
@@ -605,6 +607,19 @@ fn allocator_call_in_copy<'a>(
         .filter(|&word| super::vet::is_return_address(word, image_at(word)))
         .take(SCAN)
         .find_map(|word| allocator_called_before(word, image_at))
+}
+
+/// The allocator function that return address `ip` is inside of (its
+/// call instruction is), or that the call instruction before it calls.
+fn allocator_frame<'a>(
+    ip: u64,
+    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
+) -> Option<crate::event::Op> {
+    let image = image_at(ip)?;
+    image
+        .image
+        .allocator_containing(image.bias.to_svma(Avma(ip - 1)))
+        .or_else(|| allocator_called_before(ip, image_at))
 }
 
 /// The allocator function (malloc, free, ...) that the call instruction

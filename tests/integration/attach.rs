@@ -10,7 +10,7 @@ use crate::support::{
 /// Anonymous executable mappings other than the vDSO, and shared anonymous
 /// ones: memptrace's trampoline pages and stack buffers, if any were left
 /// behind (the victim maps neither).
-fn trampoline_pages(pid: i32) -> Vec<String> {
+pub fn trampoline_pages(pid: i32) -> Vec<String> {
     std::fs::read_to_string(format!("/proc/{pid}/maps"))
         .unwrap()
         .lines()

@@ -469,75 +469,46 @@ enum Num {
 
 /// A mapping call's row: each argument in the column that names it, for its
 /// function (see docs/schema.md).
+/// The argument columns of a `map_events` row; each op fills its own.
+#[derive(Default)]
+struct MapColumns {
+    addr: Option<Num>,
+    len: Option<Num>,
+    new_len: Option<Num>,
+    prot: Option<Num>,
+    flags: Option<Num>,
+    fd: Option<Num>,
+    offset: Option<Num>,
+    advice: Option<Num>,
+}
+
 fn write_map(conn: &rusqlite::Connection, m: &crate::event::MapEvent) -> Result<(), SinkError> {
     use crate::event::MapOp;
     let [a0, a1, a2, a3, a4, a5] = m.args;
-    // (addr, len, new_len, prot, flags, fd, offset, advice)
-    let none = None::<Num>;
-    let cols = match m.op {
-        MapOp::Mmap => (
-            Some(int(a0)),
-            Some(int(a1)),
-            none,
-            Some(Num::Int(a2 as i32 as i64)),
-            Some(Num::Int(a3 as i32 as i64)),
-            Some(Num::Int(a4 as i32 as i64)),
-            Some(Num::Int(a5 as i64)),
-            none,
-        ),
-        MapOp::Munmap => (
-            Some(int(a0)),
-            Some(int(a1)),
-            none,
-            none,
-            none,
-            none,
-            none,
-            none,
-        ),
-        MapOp::Mremap => (
-            Some(int(a0)),
-            Some(int(a1)),
-            Some(int(a2)),
-            none,
-            Some(Num::Int(a3 as i32 as i64)),
-            none,
-            none,
-            none,
-        ),
-        MapOp::Brk => (Some(int(a0)), none, none, none, none, none, none, none),
+    // Arguments that are C ints are sign-extended from 32 bits.
+    let c_int = |v: u64| Some(Num::Int(v as i32 as i64));
+    let mut c = MapColumns::default();
+    match m.op {
+        MapOp::Mmap => {
+            (c.addr, c.len) = (Some(int(a0)), Some(int(a1)));
+            (c.prot, c.flags, c.fd) = (c_int(a2), c_int(a3), c_int(a4));
+            c.offset = Some(Num::Int(a5 as i64));
+        }
+        MapOp::Munmap => (c.addr, c.len) = (Some(int(a0)), Some(int(a1))),
+        MapOp::Mremap => {
+            (c.addr, c.len, c.new_len) = (Some(int(a0)), Some(int(a1)), Some(int(a2)));
+            c.flags = c_int(a3);
+        }
+        MapOp::Brk => c.addr = Some(int(a0)),
         // sbrk's increment is signed.
-        MapOp::Sbrk => (
-            None,
-            Some(Num::Int(a0 as i64)),
-            none,
-            none,
-            none,
-            none,
-            none,
-            none,
-        ),
-        MapOp::Madvise => (
-            Some(int(a0)),
-            Some(int(a1)),
-            none,
-            none,
-            none,
-            none,
-            none,
-            Some(Num::Int(a2 as i32 as i64)),
-        ),
-        MapOp::Mprotect => (
-            Some(int(a0)),
-            Some(int(a1)),
-            none,
-            Some(Num::Int(a2 as i32 as i64)),
-            none,
-            none,
-            none,
-            none,
-        ),
-    };
+        MapOp::Sbrk => c.len = Some(Num::Int(a0 as i64)),
+        MapOp::Madvise => {
+            (c.addr, c.len, c.advice) = (Some(int(a0)), Some(int(a1)), c_int(a2));
+        }
+        MapOp::Mprotect => {
+            (c.addr, c.len, c.prot) = (Some(int(a0)), Some(int(a1)), c_int(a2));
+        }
+    }
     // A failed call returns -1 (brk, munmap, madvise, mprotect: 0 or -1;
     // mmap, mremap: MAP_FAILED).
     let result = m.result as i64;
@@ -552,14 +523,14 @@ fn write_map(conn: &rusqlite::Connection, m: &crate::event::MapEvent) -> Result<
         m.pid,
         m.tid,
         m.op.name(),
-        cols.0,
-        cols.1,
-        cols.2,
-        cols.3,
-        cols.4,
-        cols.5,
-        cols.6,
-        cols.7,
+        c.addr,
+        c.len,
+        c.new_len,
+        c.prot,
+        c.flags,
+        c.fd,
+        c.offset,
+        c.advice,
         result,
         m.stack_id.map(int),
         m.by_allocator.map(|op| op.name()),
