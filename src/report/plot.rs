@@ -16,6 +16,7 @@ use std::path::Path;
 use std::sync::Once;
 
 use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use super::scan::Analysis;
@@ -209,6 +210,26 @@ fn rss_peak(memory: &[Resident]) -> Option<(u64, i64)> {
         .map(|m| (m.rss, m.ts_ns))
 }
 
+/// The legend's sample of a line drawn in `style`.
+fn swatch(style: ShapeStyle) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+    move |(x, y)| PathElement::new([(x, y), (x + 18, y)], style)
+}
+
+/// Draw `points` as a line against the left axis, with a legend entry.
+fn line<DB: DrawingBackend>(
+    chart: &mut ChartContext<'_, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    points: Vec<(f64, f64)>,
+    style: ShapeStyle,
+    legend: ShapeStyle,
+    label: &str,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    chart
+        .draw_series(LineSeries::new(points, style))?
+        .label(label)
+        .legend(swatch(legend));
+    Ok(())
+}
+
 fn draw_on<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     analysis: &Analysis,
@@ -288,65 +309,49 @@ fn draw_on<DB: DrawingBackend>(
             blue.mix(0.25),
         ))
         .map_err(e)?;
-    chart
-        .draw_series(LineSeries::new(
-            heap_points(analysis, scale),
-            blue.stroke_width(1),
-        ))
-        .map_err(e)?
-        .label("heap in use (requested)")
-        .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], blue.stroke_width(2)));
+    let heap_line = blue.stroke_width(1);
+    line(
+        &mut chart,
+        heap_points(analysis, scale),
+        heap_line,
+        blue.stroke_width(2),
+        "heap in use (requested)",
+    )
+    .map_err(e)?;
+    let mapped = grey.stroke_width(1);
+    let mut lines = Vec::new();
     if !memory.is_empty() {
-        chart
-            .draw_series(LineSeries::new(
-                sampled(memory, scale, |m| m.rss),
-                orange.stroke_width(2),
-            ))
-            .map_err(e)?
-            .label("resident (RSS)")
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], orange.stroke_width(2)));
-        chart
-            .draw_series(LineSeries::new(
-                sampled(memory, scale, |m| m.anon),
-                green.stroke_width(2),
-            ))
-            .map_err(e)?
-            .label("resident anonymous")
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], green.stroke_width(2)));
+        let rss = orange.stroke_width(2);
+        lines.push((sampled(memory, scale, |m| m.rss), rss, "resident (RSS)"));
+        let anon = green.stroke_width(2);
+        lines.push((
+            sampled(memory, scale, |m| m.anon),
+            anon,
+            "resident anonymous",
+        ));
     }
-    match axis {
-        MappedAxis::None => {}
-        MappedAxis::Shared => {
-            chart
-                .draw_series(LineSeries::new(
-                    sampled(memory, scale, |m| m.mapped),
-                    grey.stroke_width(1),
-                ))
-                .map_err(e)?
-                .label("mapped")
-                .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 18, y)], grey.stroke_width(1))
-                });
-        }
-        MappedAxis::Own => {
-            chart
-                .configure_secondary_axes()
-                .y_desc(format!("mapped ({right_unit})"))
-                .label_style((FONT, 12))
-                .axis_desc_style((FONT, 13))
-                .draw()
-                .map_err(e)?;
-            chart
-                .draw_secondary_series(LineSeries::new(
-                    sampled(memory, right_scale, |m| m.mapped),
-                    grey.stroke_width(1),
-                ))
-                .map_err(e)?
-                .label("mapped (right axis)")
-                .legend(move |(x, y)| {
-                    PathElement::new([(x, y), (x + 18, y)], grey.stroke_width(1))
-                });
-        }
+    if axis == MappedAxis::Shared {
+        lines.push((sampled(memory, scale, |m| m.mapped), mapped, "mapped"));
+    }
+    for (points, style, label) in lines {
+        line(&mut chart, points, style, style, label).map_err(e)?;
+    }
+    if axis == MappedAxis::Own {
+        chart
+            .configure_secondary_axes()
+            .y_desc(format!("mapped ({right_unit})"))
+            .label_style((FONT, 12))
+            .axis_desc_style((FONT, 13))
+            .draw()
+            .map_err(e)?;
+        chart
+            .draw_secondary_series(LineSeries::new(
+                sampled(memory, right_scale, |m| m.mapped),
+                mapped,
+            ))
+            .map_err(e)?
+            .label("mapped (right axis)")
+            .legend(swatch(mapped));
     }
     if !memory.is_empty() {
         chart
