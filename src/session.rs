@@ -244,15 +244,18 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
 
 /// A trace being recorded: the recorder thread and what the session needs
 /// to end it.
+///
+/// Fields drop in order: every sender (the sampler holds one) before the
+/// recorder, which waits for them all.
 struct Recording {
-    recorder: Recorder,
+    /// Samples resident memory (`--rss-interval`), unless it is 0.
+    sampler: Option<Sampler>,
     records: RecordSender,
+    recorder: Recorder,
     clock: Instant,
     progress: Arc<Progress>,
     /// Progress may be drawn: on a terminal the program does not write to.
     draw: bool,
-    /// Samples resident memory (`--rss-interval`), unless it is 0.
-    sampler: Option<Sampler>,
 }
 
 impl Recording {
