@@ -19,6 +19,7 @@ mod probes;
 mod processes;
 mod report;
 mod returns;
+mod rss;
 mod sampling;
 mod stacks;
 mod stripped;

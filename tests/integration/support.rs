@@ -33,9 +33,9 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 16] = [
+const TRACEES: [&str; 17] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
-    "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping",
+    "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping", "resident",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so

@@ -307,6 +307,21 @@ impl SqliteSink {
                 .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
             }
             Record::Map(m) => write_map(conn, m)?,
+            Record::Rss(r) => {
+                conn.prepare_cached(
+                    "INSERT INTO rss(ts_ns, pid, rss, anon, file, shmem, mapped) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?)",
+                )?
+                .execute(params![
+                    int(r.ts_ns),
+                    r.pid,
+                    int(r.rss),
+                    int(r.anon),
+                    int(r.file),
+                    int(r.shmem),
+                    int(r.mapped)
+                ])?;
+            }
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())
