@@ -28,6 +28,7 @@ pub mod os;
 pub mod program;
 pub mod progress;
 pub mod report;
+pub mod sampler;
 pub mod session;
 pub mod sink;
 pub mod symbols;

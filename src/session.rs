@@ -19,6 +19,7 @@ use crate::program;
 use crate::progress::ProgressLine;
 use crate::report;
 use crate::report::heapmap::{HeapReport, HeapSource};
+use crate::sampler::{Sampler, Watchlist};
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::symbolize::Symbolizer;
 use crate::tracer::{
@@ -106,7 +107,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             });
         }
     };
-    let recording = Recording::start(sink, child.pid)?;
+    let recording = Recording::start(sink, child.pid, &config)?;
     let tracer = Tracer::new(
         options(&config, None),
         recording.pipeline(&config),
@@ -143,7 +144,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     let command = procfs::cmdline(pid).unwrap_or_default();
     let sink = start_output(&config, &command, "attach")?;
     signals::install()?;
-    let recording = Recording::start(sink, pid)?;
+    let recording = Recording::start(sink, pid, &config)?;
     // Ctrl-C, SIGTERM and the tick are live while attaching too: an attach
     // that cannot finish gives up and lets the process go.
     signals::unblock_here(TICK)?;
@@ -235,6 +236,7 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         ("stack_every", config.stack_every.to_string()),
         ("follow_forks", config.follow_forks.to_string()),
         ("probes", probes_name(config).to_string()),
+        ("rss_interval_ms", config.rss_interval_ms.to_string()),
     ];
     let written = meta
         .into_iter()
@@ -255,9 +257,14 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
 
 /// A trace being recorded: the recorder thread and what the session needs
 /// to end it.
+///
+/// Fields drop in order: every sender (the sampler holds one) before the
+/// recorder, which waits for them all.
 struct Recording {
-    recorder: Recorder,
+    /// Samples resident memory (`--rss-interval`), unless it is 0.
+    sampler: Option<Sampler>,
     records: RecordSender,
+    recorder: Recorder,
     clock: Instant,
     progress: Arc<Progress>,
     /// Progress may be drawn: on a terminal the program does not write to.
@@ -265,16 +272,30 @@ struct Recording {
 }
 
 impl Recording {
-    fn start(sink: SqliteSink, pid: i32) -> Result<Recording, Error> {
-        let recorder = Recorder::spawn(Box::new(sink));
+    fn start(sink: SqliteSink, pid: i32, config: &TraceConfig) -> Result<Recording, Error> {
+        let interval = Duration::from_millis(config.rss_interval_ms);
+        let watchlist = (!interval.is_zero()).then(Watchlist::new);
+        let recorder = match &watchlist {
+            // The sampler learns the processes (-f children too) from the
+            // thread records the trace writes.
+            Some(list) => Recorder::spawn_observed(Box::new(sink), list.observer()),
+            None => Recorder::spawn(Box::new(sink)),
+        };
         let records = recorder.sender();
         records.send(vec![meta_record("pid", pid.to_string())])?;
+        let clock = Instant::now();
+        let sampler = watchlist.map(|list| {
+            // A launched program is sampled from its exec on (see sampler).
+            list.watch(pid as u32);
+            Sampler::start(list, interval, clock, records.clone())
+        });
         Ok(Recording {
             recorder,
             records,
-            clock: Instant::now(),
+            clock,
             progress: Arc::new(Progress::default()),
             draw: terminal_free(pid),
+            sampler,
         })
     }
 
@@ -302,6 +323,7 @@ impl Recording {
     /// Nothing worth keeping was traced: close and remove the database.
     /// Every sender goes before the recorder, which waits for them all.
     fn abandon(self, output: &Path) {
+        drop(self.sampler);
         drop(self.records);
         drop(self.recorder);
         discard(output);
@@ -316,6 +338,11 @@ impl Recording {
         pipeline: PipelineHandle,
         wrappers: &Wrappers,
     ) -> Result<(), Error> {
+        // The last sample, as near the end as the trace knows: a detached
+        // process's memory as memptrace lets it go.
+        if let Some(sampler) = self.sampler {
+            sampler.finish();
+        }
         let result = pipeline.finish()?;
         symbolize(&result, &self.records, wrappers, self.draw)?;
         let mut end = vec![

@@ -311,6 +311,11 @@ pub struct TraceArgs {
     #[arg(long, value_enum)]
     pub probes: Option<ProbesArg>,
 
+    /// Sample the resident and mapped memory of the traced processes every
+    /// MS milliseconds into the rss table; 0 turns it off [default: 100].
+    #[arg(long, value_name = "MS")]
+    pub rss_interval: Option<u64>,
+
     #[command(flatten)]
     pub wrappers: WrapperArgs,
 }
@@ -354,6 +359,7 @@ impl TraceArgs {
             stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
             follow_forks: self.follow_forks || after.follow_forks,
             probes: once("--probes", self.probes, after.probes)?,
+            rss_interval: once("--rss-interval", self.rss_interval, after.rss_interval)?,
             wrappers: WrapperArgs {
                 wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
             },
@@ -376,6 +382,7 @@ impl TraceArgs {
             (self.stack_every.is_some(), "--stack-every"),
             (self.follow_forks, "--follow-forks"),
             (self.probes.is_some(), "--probes"),
+            (self.rss_interval.is_some(), "--rss-interval"),
         ];
         for (given, name) in flags {
             if given {
@@ -445,6 +452,8 @@ pub struct TraceConfig {
     pub probes: ProbeMode,
     /// The user's allocator wrappers (regular expressions).
     pub wrappers: Vec<String>,
+    /// Milliseconds between samples of resident memory; 0: none.
+    pub rss_interval_ms: u64,
 }
 
 impl TraceConfig {
@@ -468,6 +477,7 @@ impl TraceConfig {
                 ProbesArg::Int3 => ProbeMode::Int3,
             },
             wrappers: a.wrappers.wrappers,
+            rss_interval_ms: a.rss_interval.unwrap_or(100),
         }
     }
 }

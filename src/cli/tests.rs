@@ -24,6 +24,36 @@ fn launch_defaults() {
     assert_eq!(trace.unwinder, UnwinderKind::Framehop);
     assert!(trace.stacks);
     assert_eq!(trace.stack_every, 1);
+    assert_eq!(trace.rss_interval_ms, 100);
+}
+
+#[test]
+fn rss_interval() {
+    let Ok(Config::Launch { trace, .. }) = parse(&["memptrace", "--rss-interval", "0", "--", "ls"])
+    else {
+        panic!("not a launch");
+    };
+    assert_eq!(trace.rss_interval_ms, 0);
+    let Ok(Config::Attach { trace, .. }) =
+        parse(&["memptrace", "--rss-interval", "250", "attach", "1"])
+    else {
+        panic!("not an attach");
+    };
+    assert_eq!(trace.rss_interval_ms, 250);
+    assert!(parse(&["memptrace", "--rss-interval", "-1", "--", "ls"]).is_err());
+    assert!(
+        parse(&[
+            "memptrace",
+            "--rss-interval",
+            "1",
+            "attach",
+            "1",
+            "--rss-interval",
+            "2"
+        ])
+        .is_err()
+    );
+    assert!(parse(&["memptrace", "--rss-interval", "1", "report", "t.db"]).is_err());
 }
 
 #[test]

@@ -13,5 +13,6 @@ pub mod local;
 pub mod mem;
 pub mod procfs;
 pub mod ptrace;
+pub mod resident;
 pub mod shared;
 pub mod signals;

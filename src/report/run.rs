@@ -70,10 +70,12 @@ pub fn run_plot(path: &Path, options: &PlotOptions) -> Result<(), ReportError> {
     plot::Picture::of(&options.output)?;
     let trace = open(path)?;
     let analysis = Analysis::run(&trace)?;
+    let memory = plot::resident(&trace)?;
     let title = format!("memptrace: {}", command(&trace)?);
     plot::draw(
         &options.output,
         &analysis,
+        &memory,
         &title,
         (options.width, options.height),
     )

@@ -138,6 +138,21 @@ pub enum Record {
     /// A map of glibc's heap, taken at attach, exit or detach.
     Heap(Box<HeapSnapshot>),
     Symbols(FrameSymbols),
+    /// A process's resident and mapped memory at one moment.
+    Rss(RssSample),
+}
+
+/// A process's memory at one moment, in bytes (the `rss` table). Samples
+/// of one round of the sampler share their `ts_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RssSample {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub rss: u64,
+    pub anon: u64,
+    pub file: u64,
+    pub shmem: u64,
+    pub mapped: u64,
 }
 
 /// Storage for a trace. Implementations are driven from one thread (the
@@ -171,6 +186,11 @@ const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
 /// memptrace growing without limit.
 const QUEUE_BATCHES: usize = 64;
 
+/// Called on the recorder's thread with every record before it is
+/// written: how others (the RSS sampler) learn what the trace sees. It must
+/// return quickly and never wait for a producer.
+pub type Observer = Box<dyn FnMut(&Record) + Send>;
+
 /// Runs an [`EventSink`] on its own thread; producers send batches of records.
 pub struct Recorder {
     tx: Option<SyncSender<Vec<Record>>>,
@@ -187,10 +207,15 @@ pub struct RecorderStats {
 
 impl Recorder {
     pub fn spawn(sink: Box<dyn EventSink>) -> Recorder {
+        Recorder::spawn_observed(sink, Box::new(|_| {}))
+    }
+
+    /// A recorder that shows `observer` every record it writes.
+    pub fn spawn_observed(sink: Box<dyn EventSink>, observer: Observer) -> Recorder {
         let (tx, rx) = sync_channel(QUEUE_BATCHES);
         let thread = std::thread::Builder::new()
             .name("memptrace-recorder".into())
-            .spawn(move || record_loop(sink, rx))
+            .spawn(move || record_loop(sink, observer, rx))
             .expect("spawning the recorder thread");
         Recorder {
             tx: Some(tx),
@@ -247,6 +272,7 @@ impl RecordSender {
 
 fn record_loop(
     mut sink: Box<dyn EventSink>,
+    mut observer: Observer,
     rx: Receiver<Vec<Record>>,
 ) -> Result<RecorderStats, SinkError> {
     let mut stats = RecorderStats::default();
@@ -257,6 +283,7 @@ fn record_loop(
         match rx.recv_timeout(wait) {
             Ok(batch) => {
                 for record in &batch {
+                    observer(record);
                     sink.write(record)?;
                     if matches!(record, Record::Event(_)) {
                         stats.events += 1;

@@ -31,6 +31,10 @@ const GAP_PATIENCE: Duration = Duration::from_millis(500);
 pub struct Merge {
     /// Sorted by sequence number; the first is above `next`.
     held: Pulled,
+    /// The buffer records are read into, kept with its room from one
+    /// reading to the next (a fresh one grew, and faulted in its pages,
+    /// every time: a tenth of the tracer thread's time).
+    spare: Pulled,
     /// The next sequence number to record.
     next: u64,
     /// Since when the first held record waits for a missing number.
@@ -113,15 +117,14 @@ impl Tracer {
             return 0;
         };
         let merge = &mut process.merge;
-        let mut pulled = std::mem::take(&mut merge.held);
+        let mut pulled = std::mem::take(&mut merge.spare);
+        pulled.extend_from(&merge.held, &merge.held.records);
+        merge.held.clear();
         let before = pulled.records.len();
         for (slot, tid) in control.used_slots() {
             control.pull(slot, tid, &mut pulled);
         }
         let read = pulled.records.len() - before;
-        if pulled.records.is_empty() {
-            return 0;
-        }
         if read > 0 {
             pulled.records.sort_unstable_by_key(|r| r.seq);
         }
@@ -141,11 +144,15 @@ impl Tracer {
             merge.gap_since = None;
             take += 1;
         }
-        let waiting = pulled.records.split_off(take);
-        merge.held = pulled.keep(waiting);
+        merge.held.extend_from(&pulled, &pulled.records[take..]);
+        pulled.records.truncate(take);
         self.stats.skipped_records += skipped;
         for record in &pulled.records {
             self.book_record(pid, record, pulled.frames(record));
+        }
+        pulled.clear();
+        if let Some(process) = self.family.processes.get_mut(&pid) {
+            process.merge.spare = pulled;
         }
         read
     }

@@ -20,6 +20,7 @@ mod probes;
 mod processes;
 mod report;
 mod returns;
+mod rss;
 mod sampling;
 mod stacks;
 mod stripped;

@@ -309,6 +309,21 @@ impl SqliteSink {
             }
             Record::Map(m) => write_map(conn, m)?,
             Record::Heap(snap) => heap::write(conn, snap)?,
+            Record::Rss(r) => {
+                conn.prepare_cached(
+                    "INSERT INTO rss(ts_ns, pid, rss, anon, file, shmem, mapped) \
+                     VALUES (?, ?, ?, ?, ?, ?, ?)",
+                )?
+                .execute(params![
+                    int(r.ts_ns),
+                    r.pid,
+                    int(r.rss),
+                    int(r.anon),
+                    int(r.file),
+                    int(r.shmem),
+                    int(r.mapped)
+                ])?;
+            }
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())

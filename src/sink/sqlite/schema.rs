@@ -130,6 +130,19 @@ CREATE TABLE map_events(
     stack_id INTEGER,
     by_allocator TEXT
 );
+-- The traced processes' resident and mapped memory, sampled every
+-- meta rss_interval_ms (docs/schema.md, rss). A sample is a few rows at
+-- most every 100 ms: no index but the one on time.
+CREATE TABLE rss(
+    ts_ns INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    rss INTEGER NOT NULL,
+    anon INTEGER NOT NULL,
+    file INTEGER NOT NULL,
+    shmem INTEGER NOT NULL,
+    mapped INTEGER NOT NULL
+);
+CREATE INDEX rss_ts ON rss(ts_ns);
 ";
 
 /// The call site of every stack whose own frame is a wrapper: walk up

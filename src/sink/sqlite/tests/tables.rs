@@ -6,7 +6,9 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension};
 
 use super::*;
-use crate::sink::{FrameRecord, FrameSymbols, ModuleRecord, SourceLine, StackNode, ThreadRecord};
+use crate::sink::{
+    FrameRecord, FrameSymbols, ModuleRecord, RssSample, SourceLine, StackNode, ThreadRecord,
+};
 
 #[test]
 fn creates_the_schema() {
@@ -40,6 +42,7 @@ fn creates_the_schema() {
         "meta",
         "modules",
         "ops",
+        "rss",
         "stack_text",
         "stacks",
         "temporary",
@@ -393,5 +396,44 @@ fn a_failed_write_stops_the_sink() {
     assert_eq!(
         query_i64(&read(&dir.db()), "SELECT count(*) FROM events"),
         1
+    );
+}
+
+#[test]
+fn stores_rss_samples_in_bytes() {
+    let dir = TempDir::new("rss");
+    let mut sink = SqliteSink::create(&dir.db()).unwrap();
+    let sample = RssSample {
+        ts_ns: 100_000_000,
+        pid: 42,
+        rss: 3 << 20,
+        anon: 2 << 20,
+        file: 1 << 20,
+        shmem: 0,
+        mapped: 5 << 30,
+    };
+    sink.write(&Record::Rss(sample)).unwrap();
+    sink.finish().unwrap();
+    let conn = read(&dir.db());
+    let row: (i64, i64, i64, i64, i64, i64, i64) = conn
+        .query_row(
+            "SELECT ts_ns, pid, rss, anon, file, shmem, mapped FROM rss",
+            [],
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                ))
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        row,
+        (100_000_000, 42, 3 << 20, 2 << 20, 1 << 20, 0, 5 << 30)
     );
 }

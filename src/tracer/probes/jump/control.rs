@@ -27,17 +27,24 @@ impl Pulled {
         &self.frames[record.frames.clone()]
     }
 
-    /// A new `Pulled` with `records` (taken from this one) and their frames.
-    pub fn keep(&self, records: Vec<Record>) -> Pulled {
-        let mut kept = Pulled::default();
-        for mut r in records {
-            let start = kept.frames.len();
-            kept.frames
-                .extend_from_slice(&self.frames[r.frames.clone()]);
-            r.frames = start..kept.frames.len();
-            kept.records.push(r);
+    /// Copy `records` (read into `from`) and their frames to the end of
+    /// this one.
+    pub fn extend_from(&mut self, from: &Pulled, records: &[Record]) {
+        for r in records {
+            let start = self.frames.len();
+            self.frames
+                .extend_from_slice(&from.frames[r.frames.clone()]);
+            self.records.push(Record {
+                frames: start..self.frames.len(),
+                ..r.clone()
+            });
         }
-        kept
+    }
+
+    /// Empty, keeping the room it has.
+    pub fn clear(&mut self) {
+        self.records.clear();
+        self.frames.clear();
     }
 }
 
