@@ -22,6 +22,21 @@ pub fn trampoline_pages(pid: i32) -> Vec<String> {
         .collect()
 }
 
+/// Allocator calls (not inventory) committed to a trace being written.
+fn calls_committed(db: &std::path::Path) -> i64 {
+    let open =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY);
+    open.and_then(|c| {
+        c.busy_timeout(std::time::Duration::from_secs(2))?;
+        c.query_row(
+            "SELECT count(*) FROM events WHERE op <> 'inventory'",
+            [],
+            |r| r.get(0),
+        )
+    })
+    .unwrap_or(0)
+}
+
 fn cycles(variant: Variant) {
     let mut victim =
         Background::start(std::process::Command::new(tracee(variant, "victim")).arg("8"));
@@ -35,27 +50,27 @@ fn cycles(variant: Variant) {
         } else {
             "libunwind"
         };
-        let out = run(
+        // Traced until the first events are committed, then Ctrl-C: a
+        // condition, not a timer (on a loaded machine the attach itself,
+        // heap map included, can outlast a short --duration).
+        let tracer = Background::start(
             memptrace()
-                .args([
-                    "attach",
-                    &pid.to_string(),
-                    "--duration",
-                    "0.3",
-                    "--unwinder",
-                    unwinder,
-                    "-o",
-                ])
+                .args(["attach", &pid.to_string(), "--unwinder", unwinder, "-o"])
                 .arg(&db),
-            b"",
         );
+        crate::support::wait_until("calls committed", || calls_committed(&db) > 0);
+        tracer.signal(libc::SIGINT);
+        let out = tracer.finish();
         assert_eq!(out.code(), 0, "cycle {cycle}: {}", out.stderr);
         assert_eq!(out.stderr, "", "cycle {cycle}");
         let t = open_trace(&db, out);
         assert_eq!(t.meta("mode").as_deref(), Some("attach"));
         assert_eq!(t.meta("pid"), Some(pid.to_string()));
         assert_eq!(t.meta("exit_status").as_deref(), Some("0"));
-        assert!(t.meta("end_reason").unwrap().contains("--duration"));
+        assert!(
+            t.meta("end_reason").unwrap().contains("interrupted"),
+            "cycle {cycle}"
+        );
         assert!(t.meta("command").unwrap().contains("victim"));
         // Every worker allocated while traced, with stacks through the
         // victim's own functions.
