@@ -8,6 +8,7 @@ use super::Color;
 use super::listing::stack_lines;
 use super::scan::StackStats;
 use super::summary::{StackRow, Summary};
+use crate::event::Op;
 
 /// ANSI styles, or none.
 #[derive(Clone, Copy, Debug)]
@@ -293,15 +294,28 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     for warning in &t.warnings {
         let _ = writeln!(out, "  {}    {warning}", style.warning("warning"));
     }
+    // Blocks found live at attach are events, but no call was seen.
+    let inventory = summary
+        .functions
+        .iter()
+        .find(|f| f.function == Op::Inventory.name())
+        .map_or(0, |f| f.calls);
     let _ = writeln!(
         out,
         "  events     {} allocator calls from {} thread{} in {} process{}",
-        count(t.events),
+        count(t.events - inventory.min(t.events)),
         count(t.threads),
         if t.threads == 1 { "" } else { "s" },
         count(t.processes),
         if t.processes == 1 { "" } else { "es" }
     );
+    if inventory > 0 {
+        let _ = writeln!(
+            out,
+            "             and {} blocks live at attach (the inventory: no stack, origin unknown)",
+            count(inventory)
+        );
+    }
 
     let h = &summary.heap;
     let _ = writeln!(out, "\n{}", style.heading("Heap"));

@@ -342,6 +342,21 @@ fn inventory_at_attach_is_every_live_block() {
             before_main.len() as i64 + 2,
             "{variant:?}: the thread vectors and glibc's own blocks"
         );
+        // The report tells the inventory apart from the calls it saw.
+        let report = run(memptrace().arg("report").arg(&db), b"");
+        assert_eq!(report.code(), 0, "{}", report.stderr);
+        let calls = t.int("SELECT count(*) FROM events WHERE op <> 'inventory'");
+        assert!(
+            report
+                .stdout
+                .contains(&format!("events     {calls} allocator calls from "))
+                && report.stdout.contains(&format!(
+                    "\n             and {} blocks live at attach",
+                    inventory.len()
+                )),
+            "{variant:?}: {}",
+            report.stdout
+        );
     }
 }
 
