@@ -103,9 +103,7 @@ impl Tracer {
             HookKind::Mapping { .. } if !recording => {
                 self.redirect(tid, regs, resume_at, Vec::new())
             }
-            HookKind::Mapping { module_id, op } => {
-                self.on_map_entry(tid, pid, regs, resume_at, stub, module_id, op)
-            }
+            HookKind::Mapping { op } => self.on_map_entry(tid, pid, regs, resume_at, stub, op),
         }
     }
 

@@ -17,7 +17,6 @@ impl Tracer {
     /// send the thread through the slot's stub (`stub`) to see its result;
     /// a call inside the thread's mapping call in progress goes straight on
     /// (`resume_at`).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_map_entry(
         &mut self,
         tid: Tid,
@@ -25,7 +24,6 @@ impl Tracer {
         regs: Regs,
         resume_at: u64,
         stub: u64,
-        module_id: u64,
         op: MapOp,
     ) -> Result<(), TraceError> {
         let thread = self.family.threads.get_mut(&tid).expect("known thread");
@@ -45,7 +43,6 @@ impl Tracer {
                 entry_sp: regs.rsp,
                 stub,
                 stack,
-                module_id,
             });
         }
         self.redirect(tid, regs, stub, Vec::new())
@@ -79,7 +76,6 @@ impl Tracer {
         self.send(TraceMsg::Map(Box::new(RawMap {
             event,
             stack: map.stack,
-            module_id: map.module_id,
         })));
     }
 }

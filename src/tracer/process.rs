@@ -120,7 +120,6 @@ pub struct PendingMap {
     pub entry_sp: u64,
     pub stub: u64,
     pub stack: CallStack,
-    pub module_id: u64,
 }
 
 impl Thread {

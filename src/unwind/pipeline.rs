@@ -149,8 +149,6 @@ pub enum TraceMsg {
 pub struct RawMap {
     pub event: MapEvent,
     pub stack: CallStack,
-    /// The image whose mapping function was called.
-    pub module_id: u64,
 }
 
 /// Calls in order, with their frames in one vector.
@@ -404,31 +402,41 @@ impl Pipeline {
             allocator_module,
             unmatched_release,
         } = call;
-        let pid = event.pid;
+        let (caller, end, _) = self.take_stack(event.pid, event.tid, stack);
+        self.stacked(event, caller, end, allocator_module, unmatched_release);
+    }
+
+    /// Put the return addresses of thread `tid`'s `stack` in `self.ips`,
+    /// unwinding a stack copy here when that is the pipeline's job: the
+    /// caller, how the walk ended, and the copy, if there was one.
+    fn take_stack(
+        &mut self,
+        pid: u32,
+        tid: u32,
+        stack: CallStack,
+    ) -> (u64, WalkEnd, Option<StackSample>) {
         self.ips.clear();
-        let mut end = WalkEnd::Outermost;
-        let caller = match stack {
-            CallStack::CallerOnly(ip) => ip,
-            CallStack::Unwound { ips, end: e } => {
+        match stack {
+            CallStack::CallerOnly(ip) => (ip, WalkEnd::Outermost, None),
+            CallStack::Unwound { ips, end } => {
                 self.ips = ips;
-                end = e;
-                self.ips.first().copied().unwrap_or(0)
+                (self.ips.first().copied().unwrap_or(0), end, None)
             }
             CallStack::Sample(sample) => {
+                let mut end = WalkEnd::Outermost;
                 if self.unwind_here {
                     if let Some(process) = self.processes.get_mut(&pid) {
                         end = process.unwinder.unwind(
-                            event.tid as i32,
+                            tid as i32,
                             &sample,
                             &mut self.ips,
                             self.max_depth,
                         );
                     }
                 }
-                sample.ip
+                (sample.ip, end, Some(sample))
             }
-        };
-        self.stacked(event, caller, end, allocator_module, unmatched_release);
+        }
     }
 
     /// Record a call whose return addresses are in `self.ips` (empty: the
@@ -499,34 +507,9 @@ impl Pipeline {
     /// Record a mapping call: its stack unwound, vetted and interned as an
     /// allocator call's is, and the allocator call it was made in, if any.
     fn map(&mut self, raw: RawMap) {
-        let RawMap {
-            mut event, stack, ..
-        } = raw;
+        let RawMap { mut event, stack } = raw;
         let pid = event.pid;
-        self.ips.clear();
-        let mut copy = None;
-        let caller = match stack {
-            CallStack::CallerOnly(ip) => ip,
-            CallStack::Unwound { ips, .. } => {
-                self.ips = ips;
-                self.ips.first().copied().unwrap_or(0)
-            }
-            CallStack::Sample(sample) => {
-                if self.unwind_here {
-                    if let Some(process) = self.processes.get_mut(&pid) {
-                        process.unwinder.unwind(
-                            event.tid as i32,
-                            &sample,
-                            &mut self.ips,
-                            self.max_depth,
-                        );
-                    }
-                }
-                let ip = sample.ip;
-                copy = Some(sample);
-                ip
-            }
-        };
+        let (caller, _, copy) = self.take_stack(pid, event.tid, stack);
         let images = self.processes.get(&pid);
         let image_at = |ip| images.and_then(|p| p.image_at(ip));
         vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);

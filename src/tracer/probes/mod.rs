@@ -38,7 +38,7 @@ pub enum HookKind {
     Allocator { module_id: u64, ops: Vec<Op> },
     /// A mapping function (mmap, munmap, brk...): always an int3 probe, a
     /// stop per call (they are few, and take up to six arguments).
-    Mapping { module_id: u64, op: MapOp },
+    Mapping { op: MapOp },
     /// The dynamic linker's `_dl_debug_state`: images were mapped or unmapped.
     DebugState,
 }

@@ -425,11 +425,7 @@ impl Space {
             })
             .collect();
         for (&svma, &op) in &module.image.mappings {
-            let kind = HookKind::Mapping {
-                module_id: module.id,
-                op,
-            };
-            targets.push((module.bias.to_avma(Svma(svma)).0, kind));
+            targets.push((module.bias.to_avma(Svma(svma)).0, HookKind::Mapping { op }));
         }
         if let Some(svma) = module.image.debug_state {
             targets.push((module.bias.to_avma(svma).0, HookKind::DebugState));
