@@ -53,6 +53,12 @@ impl Snapshot {
         self
     }
 
+    /// Add `bytes` at `addr`, taking them as they are (no copy).
+    pub fn with_owned(mut self, addr: u64, bytes: Vec<u8>) -> Snapshot {
+        self.regions.insert(addr, bytes);
+        self
+    }
+
     /// Add every region of `other`.
     pub fn merge(&mut self, other: Snapshot) {
         self.regions.extend(other.regions);

@@ -4,7 +4,6 @@
 //! input is known to be good, and the database has its `meta` rows from the
 //! first moment it exists.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
@@ -21,12 +20,12 @@ use crate::report;
 use crate::report::heapmap::{HeapReport, HeapSource};
 use crate::sampler::{Sampler, Watchlist};
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
-use crate::symbols::symbolize::Symbolizer;
+use crate::symbols::namer::Namer;
 use crate::tracer::{
     Ending, ProbeMode, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name,
 };
 use crate::unwind::UnwinderKind;
-use crate::unwind::pipeline::{PipelineHandle, PipelineResult};
+use crate::unwind::pipeline::PipelineHandle;
 use crate::wrappers::Wrappers;
 
 /// How often the tracer looks at its signals and flushes its records.
@@ -107,7 +106,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             });
         }
     };
-    let recording = Recording::start(sink, child.pid, &config)?;
+    let recording = Recording::start(sink, child.pid, &config, wrappers)?;
     let tracer = Tracer::new(
         options(&config, None),
         recording.pipeline(&config),
@@ -125,7 +124,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         }
     }
     let status = exit_status(&ending);
-    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
+    recording.finish(&ending, status, &stats, pipeline)?;
     Ok(status)
 }
 
@@ -144,7 +143,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     let command = procfs::cmdline(pid).unwrap_or_default();
     let sink = start_output(&config, &command, "attach")?;
     signals::install()?;
-    let recording = Recording::start(sink, pid, &config)?;
+    let recording = Recording::start(sink, pid, &config, wrappers)?;
     // Ctrl-C, SIGTERM and the tick are live while attaching too: an attach
     // that cannot finish gives up and lets the process go.
     signals::unblock_here(TICK)?;
@@ -169,7 +168,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         Ending::Detached { .. } => 0,
         _ => exit_status(&ending),
     };
-    recording.finish(&ending, status, &stats, pipeline, &wrappers)?;
+    recording.finish(&ending, status, &stats, pipeline)?;
     Ok(status)
 }
 
@@ -263,6 +262,8 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
 struct Recording {
     /// Samples resident memory (`--rss-interval`), unless it is 0.
     sampler: Option<Sampler>,
+    /// Names the frames the pipeline hands it, as the trace goes.
+    namer: Namer,
     records: RecordSender,
     recorder: Recorder,
     clock: Instant,
@@ -272,7 +273,12 @@ struct Recording {
 }
 
 impl Recording {
-    fn start(sink: SqliteSink, pid: i32, config: &TraceConfig) -> Result<Recording, Error> {
+    fn start(
+        sink: SqliteSink,
+        pid: i32,
+        config: &TraceConfig,
+        wrappers: Wrappers,
+    ) -> Result<Recording, Error> {
         let interval = Duration::from_millis(config.rss_interval_ms);
         let watchlist = (!interval.is_zero()).then(Watchlist::new);
         let recorder = match &watchlist {
@@ -290,6 +296,7 @@ impl Recording {
             Sampler::start(list, interval, clock, records.clone())
         });
         Ok(Recording {
+            namer: Namer::spawn(records.clone(), wrappers),
             recorder,
             records,
             clock,
@@ -306,6 +313,7 @@ impl Recording {
             config.stacks && config.unwinder == UnwinderKind::Framehop,
             config.stacks,
             config.max_depth,
+            Some(self.namer.sender()),
         )
     }
 
@@ -324,6 +332,7 @@ impl Recording {
     /// Every sender goes before the recorder, which waits for them all.
     fn abandon(self, output: &Path) {
         drop(self.sampler);
+        drop(self.namer);
         drop(self.records);
         drop(self.recorder);
         discard(output);
@@ -336,15 +345,15 @@ impl Recording {
         status: i32,
         stats: &TraceStats,
         pipeline: PipelineHandle,
-        wrappers: &Wrappers,
     ) -> Result<(), Error> {
         // The last sample, as near the end as the trace knows: a detached
         // process's memory as memptrace lets it go.
         if let Some(sampler) = self.sampler {
             sampler.finish();
         }
+        // The pipeline's end lets the namer finish (it holds a sender).
         let result = pipeline.finish()?;
-        symbolize(&result, &self.records, wrappers, self.draw)?;
+        self.namer.finish(self.draw)?;
         let mut end = vec![
             ("ended_at", rfc3339(SystemTime::now())),
             ("exit_status", status.to_string()),
@@ -471,68 +480,6 @@ fn discard(output: &Path) {
         file.push(suffix);
         let _ = std::fs::remove_file(file);
     }
-}
-
-/// Name every unique frame once: group by image, ask the symbolizer; and
-/// mark the frames that are part of the allocator (`frames.wrapper`).
-fn symbolize(
-    result: &PipelineResult,
-    records: &RecordSender,
-    wrappers: &Wrappers,
-    draw: bool,
-) -> Result<(), Error> {
-    let mut by_module: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
-    for frame in &result.frames {
-        if let Some(module) = frame.module_id {
-            by_module
-                .entry(module)
-                .or_default()
-                .push((frame.id, frame.ip));
-        }
-    }
-    let mut symbolizer = Symbolizer::new();
-    // A bar on a terminal: a program with large debug info takes seconds.
-    let total: usize = by_module.values().map(Vec::len).sum();
-    let bar = crate::progress::bar_if(draw, total as u64, "naming code addresses");
-    for (module_id, frames) in by_module {
-        let Some(module) = result.modules.get(&module_id) else {
-            bar.inc(frames.len() as u64);
-            continue;
-        };
-        bar.set_message(format!(
-            "naming code addresses in {}",
-            crate::report::stacks::file_name(&module.path)
-        ));
-        // Return addresses point after the call: look up the call itself.
-        let probes: Vec<u64> = frames
-            .iter()
-            .map(|&(_, ip)| ip.wrapping_sub(1).wrapping_sub(module.base))
-            .collect();
-        let path = module.path.trim_end_matches(" (deleted)");
-        let names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
-        let file = crate::report::stacks::file_name(&module.path);
-        let batch: Vec<Record> = frames
-            .iter()
-            .zip(names)
-            .filter_map(|(&(frame_id, _), lines)| {
-                // The function whose machine code holds the call: the
-                // outermost line.
-                let function = lines.last().and_then(|l| l.function.as_deref());
-                let wrapper = wrappers.is_allocator_frame(Some(file), function);
-                (wrapper || !lines.is_empty()).then_some(Record::Symbols(
-                    crate::sink::FrameSymbols {
-                        frame_id,
-                        lines,
-                        wrapper,
-                    },
-                ))
-            })
-            .collect();
-        records.send(batch)?;
-        bar.inc(frames.len() as u64);
-    }
-    bar.finish_and_clear();
-    Ok(())
 }
 
 /// Values of one kind as `meta` rows of their own, numbered in order:

@@ -68,9 +68,25 @@ type R<'a> = EndianSlice<'a, LittleEndian>;
 /// malloc.c's structures.
 pub fn layout(bytes: &[u8]) -> Option<Layout> {
     let elf = Elf::parse(bytes).ok()?;
-    let sections =
-        gimli::DwarfSections::load(|id| Ok::<_, gimli::Error>(section(&elf, bytes, id.name())))
-            .ok()?;
+    // Only what units, names and types need (a unit reads its line
+    // program's header): inflating the location and range lists too took a
+    // third more time.
+    let needed = [
+        gimli::SectionId::DebugInfo,
+        gimli::SectionId::DebugAbbrev,
+        gimli::SectionId::DebugStr,
+        gimli::SectionId::DebugStrOffsets,
+        gimli::SectionId::DebugLineStr,
+        gimli::SectionId::DebugLine,
+        gimli::SectionId::DebugAddr,
+    ];
+    let sections = gimli::DwarfSections::load(|id| {
+        Ok::<_, gimli::Error>(match needed.contains(&id) {
+            true => section(&elf, bytes, id.name()),
+            false => Cow::Borrowed(&[][..]),
+        })
+    })
+    .ok()?;
     let dwarf = sections.borrow(|s| EndianSlice::new(s, LittleEndian));
     let mut units = dwarf.units();
     while let Ok(Some(header)) = units.next() {

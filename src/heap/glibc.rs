@@ -12,6 +12,7 @@
 //! `hp_flags`). Any other size is refused rather than guessed at.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use goblin::elf::{Elf, program_header, section_header};
 
@@ -101,6 +102,128 @@ struct Symbol {
     size: u64,
 }
 
+/// What one ELF file says about glibc's allocator, wherever it is loaded:
+/// worked out once per file (reading a C library's DWARF takes tens of
+/// milliseconds) and kept for the next heap map of any process.
+#[derive(Debug)]
+enum ImageFacts {
+    /// musl's allocator, which the walk does not know.
+    Musl,
+    /// No `main_arena`/`mp_` in the file or its debug file; `is_libc`: the
+    /// file is a C library (or a static executable) that should have them.
+    NoSymbols { is_libc: bool },
+    Allocator {
+        arena: Symbol,
+        mp: Symbol,
+        narenas: Option<Symbol>,
+        /// The layout the DWARF states, if it has malloc.c's.
+        layout: Option<Box<Layout>>,
+        /// `(p_offset, p_vaddr)` of each loadable segment.
+        segments: Vec<(u64, u64)>,
+    },
+}
+
+/// A file as it is now: replaced, it is another.
+type FileKey = (PathBuf, u64, u64, u64, i64, i64, Vec<PathBuf>);
+
+static FACTS: std::sync::Mutex<Vec<(FileKey, Arc<ImageFacts>)>> = std::sync::Mutex::new(Vec::new());
+
+impl ImageFacts {
+    /// The facts of the file at `path` (`None`: it cannot be read, or is no
+    /// ELF file).
+    fn of(path: &Path, debug_roots: &[PathBuf]) -> Option<Arc<ImageFacts>> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).ok()?;
+        let key = (
+            path.to_path_buf(),
+            meta.dev(),
+            meta.ino(),
+            meta.size(),
+            meta.mtime(),
+            meta.mtime_nsec(),
+            debug_roots.to_vec(),
+        );
+        let known = |facts: &Vec<(FileKey, Arc<ImageFacts>)>| {
+            facts
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, f)| f.clone())
+        };
+        if let Some(found) = known(&FACTS.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Some(found);
+        }
+        let bytes = std::fs::read(path).ok()?;
+        let facts = Arc::new(ImageFacts::read(path, &bytes, debug_roots)?);
+        let mut all = FACTS.lock().unwrap_or_else(|e| e.into_inner());
+        Some(known(&all).unwrap_or_else(|| {
+            all.push((key, facts.clone()));
+            facts
+        }))
+    }
+
+    fn read(path: &Path, bytes: &[u8], debug_roots: &[PathBuf]) -> Option<ImageFacts> {
+        let elf = Elf::parse(bytes).ok()?;
+        if symbol(&elf, "__libc_malloc_impl").is_some() {
+            return Some(ImageFacts::Musl);
+        }
+        let (arena, mp, narenas, layout) = match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
+            (Some(a), Some(m)) => (a, m, symbol(&elf, "narenas"), super::dwarf::layout(bytes)),
+            _ => match from_debug_file(path, &elf, bytes, debug_roots) {
+                Some(found) => found,
+                None => {
+                    let is_libc = symbol(&elf, "malloc").is_some()
+                        && (elf.interpreter.is_none() || path.to_string_lossy().contains("libc"));
+                    return Some(ImageFacts::NoSymbols { is_libc });
+                }
+            },
+        };
+        let segments = elf
+            .program_headers
+            .iter()
+            .filter(|ph| ph.p_type == program_header::PT_LOAD)
+            .map(|ph| (ph.p_offset, ph.p_vaddr))
+            .collect();
+        Some(ImageFacts::Allocator {
+            arena,
+            mp,
+            narenas,
+            layout: layout.map(Box::new),
+            segments,
+        })
+    }
+
+    /// Runtime address minus file address for the image at `path`, from the
+    /// mapping of its first loadable segment.
+    fn load_bias(&self, maps: &[Mapping], path: &str) -> Option<u64> {
+        let ImageFacts::Allocator { segments, .. } = self else {
+            return None;
+        };
+        let page = |x: u64| x & !0xfff;
+        maps.iter().filter(|m| m.path == path).find_map(|m| {
+            segments
+                .iter()
+                .find(|&&(offset, _)| page(offset) == m.offset)
+                .map(|&(_, vaddr)| m.start.wrapping_sub(page(vaddr)))
+        })
+    }
+}
+
+/// A file named as glibc names its C library (`libc.so.6`, `libc-2.31.so`).
+pub fn is_c_library(path: &str) -> bool {
+    let base = path.rsplit('/').next().unwrap_or("");
+    base.starts_with("libc.so") || base.starts_with("libc-")
+}
+
+/// Read ahead what a heap map of a process using the C library or static
+/// executable at `path` will need, so that the map, taken while the process
+/// waits, does not spend tens of milliseconds in DWARF.
+pub fn prepare(path: &Path) {
+    ImageFacts::of(
+        path,
+        &[PathBuf::from(crate::symbols::symbolize::DEFAULT_DEBUG_ROOT)],
+    );
+}
+
 impl Glibc {
     /// Find glibc's allocator among a process's mappings: in its C library
     /// (`libc.so.6`, symbols from the debug file under `debug_roots`), or in
@@ -116,41 +239,34 @@ impl Glibc {
         let mut images: Vec<&str> = Vec::new();
         let exe = exe.and_then(Path::to_str);
         for m in maps.iter().filter(|m| m.is_file()) {
-            let base = m.path.rsplit('/').next().unwrap_or("");
-            let libc = base.starts_with("libc.so") || base.starts_with("libc-");
+            let libc = is_c_library(&m.path);
             if (libc || Some(m.path.as_str()) == exe) && !images.contains(&m.path.as_str()) {
                 images.push(&m.path);
             }
         }
         let mut missing = None;
         for path in images {
-            let Ok(bytes) = std::fs::read(path) else {
-                continue;
+            let facts = match ImageFacts::of(Path::new(path), debug_roots) {
+                Some(facts) => facts,
+                None => continue,
             };
-            let Ok(elf) = Elf::parse(&bytes) else {
-                continue;
-            };
-            if symbol(&elf, "__libc_malloc_impl").is_some() {
-                return Err(HeapError::Musl);
-            }
-            let (arena, mp, narenas, dwarf) =
-                match (symbol(&elf, "main_arena"), symbol(&elf, "mp_")) {
-                    (Some(a), Some(m)) => {
-                        (a, m, symbol(&elf, "narenas"), super::dwarf::layout(&bytes))
+            let (arena, mp, narenas, dwarf) = match &*facts {
+                ImageFacts::Musl => return Err(HeapError::Musl),
+                ImageFacts::NoSymbols { is_libc } => {
+                    if *is_libc {
+                        missing = Some(path.to_string());
                     }
-                    _ => match from_debug_file(Path::new(path), &elf, &bytes, debug_roots) {
-                        Some(found) => found,
-                        None => {
-                            let is_libc = symbol(&elf, "malloc").is_some()
-                                && (elf.interpreter.is_none() || path.contains("libc"));
-                            if is_libc {
-                                missing = Some(path.to_string());
-                            }
-                            continue;
-                        }
-                    },
-                };
-            let Some(bias) = load_bias(&elf, maps, path) else {
+                    continue;
+                }
+                ImageFacts::Allocator {
+                    arena,
+                    mp,
+                    narenas,
+                    layout,
+                    ..
+                } => (*arena, *mp, *narenas, layout.as_deref().cloned()),
+            };
+            let Some(bias) = facts.load_bias(maps, path) else {
                 continue;
             };
             let layout = match dwarf {
@@ -212,17 +328,4 @@ fn symbol(elf: &Elf, name: &str) -> Option<Symbol> {
             })
     };
     found(&elf.syms, &elf.strtab).or_else(|| found(&elf.dynsyms, &elf.dynstrtab))
-}
-
-/// Runtime address minus file address for the image at `path`, from the
-/// mapping of its first loadable segment.
-fn load_bias(elf: &Elf, maps: &[Mapping], path: &str) -> Option<u64> {
-    let page = |x: u64| x & !0xfff;
-    maps.iter().filter(|m| m.path == path).find_map(|m| {
-        elf.program_headers
-            .iter()
-            .filter(|ph| ph.p_type == program_header::PT_LOAD)
-            .find(|ph| page(ph.p_offset) == m.offset)
-            .map(|ph| m.start.wrapping_sub(page(ph.p_vaddr)))
-    })
 }

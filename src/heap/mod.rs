@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-pub use glibc::{Glibc, Layout, TCACHE_BINS};
+pub use glibc::{Glibc, Layout, TCACHE_BINS, is_c_library, prepare};
 
 use crate::memory::Memory;
 use crate::os::procfs::{self, Mapping};

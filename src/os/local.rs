@@ -123,3 +123,14 @@ pub fn thread_id() -> i32 {
     // SAFETY: gettid has no arguments and cannot fail.
     unsafe { libc::gettid() }
 }
+
+/// Lower the calling thread's priority to the lowest nice value (19): its
+/// work then takes the CPU time the other threads leave. A thread cannot
+/// raise it back without privileges. Best effort: an error is ignored.
+pub fn lower_own_priority() {
+    // SAFETY: setpriority changes the scheduling priority of one thread
+    // (PRIO_PROCESS with a thread id); it touches no memory.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, thread_id() as libc::id_t, 19);
+    }
+}

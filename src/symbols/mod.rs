@@ -7,5 +7,6 @@ pub mod callsite;
 pub mod cfi;
 pub mod elf;
 pub mod locate;
+pub mod namer;
 pub mod signatures;
 pub mod symbolize;

@@ -1,5 +1,5 @@
-//! Source-level names for code addresses, found once per unique address at the
-//! end of a trace.
+//! Source-level names for code addresses, found once per unique address (as
+//! the trace runs: see [`super::namer`]).
 //!
 //! For each image the symbolizer looks for DWARF in the image itself, else in
 //! a separate debug file (by build-id, then by `.gnu_debuglink`: see

@@ -194,9 +194,14 @@ impl Tracer {
         // (as the int3 probes unwind it), and so does every release of a
         // block not known to be live, which may be the allocator's own
         // housekeeping (told apart by its whole stack).
-        let unknown_release =
-            op.takes_block() && r.args[0] != 0 && !self.ledger.is_live(pid as u32, r.args[0]);
-        let whole = self.opts.stacks && (unknown_release || self.sampled(pid, caller));
+        // (The ledger's lookup only when it decides: a free's block is looked
+        // up once more in `complete`, and these lookups miss the cache.)
+        let whole = self.opts.stacks
+            && (self.opts.stack_every <= 1
+                || (op.takes_block()
+                    && r.args[0] != 0
+                    && !self.ledger.is_live(pid as u32, r.args[0]))
+                || self.sampled(pid, caller));
         let end = if r.flags & record::TRUNCATED != 0 {
             WalkEnd::Failed
         } else {

@@ -14,7 +14,8 @@ use super::vet::{Trust, vet};
 use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
 use crate::event::{Event, MapEvent};
-use crate::sink::{FrameRecord, ModuleRecord, Record, RecordSender, SinkError};
+use crate::sink::{ModuleRecord, Record, RecordSender, SinkError};
+use crate::symbols::namer::NameSender;
 
 /// Whole stacks seen (see `Pipeline::call`), by a hash of what the
 /// unwinder returned.
@@ -178,11 +179,9 @@ impl CallBatch {
     }
 }
 
-/// What the pipeline knew at the end, for symbolization.
+/// What the pipeline counted, for the `meta` rows of the end.
 #[derive(Debug, Default)]
 pub struct PipelineResult {
-    pub frames: Vec<FrameRecord>,
-    pub modules: HashMap<u64, ModuleRecord>,
     pub events: u64,
     pub housekeeping_frees: u64,
     pub stack_nodes: u64,
@@ -225,6 +224,10 @@ struct Pipeline {
     seen: StackCache,
     /// `meta` keys written by the pipeline.
     meta_written: std::collections::HashSet<String>,
+    /// Where modules and frames go to be named, once the recorder has them.
+    names: Option<NameSender>,
+    /// The interned frames handed to `names` so far.
+    named: usize,
 }
 
 /// The producer side, held by the tracer.
@@ -244,6 +247,7 @@ impl PipelineHandle {
         unwind_here: bool,
         stacks: bool,
         max_depth: usize,
+        names: Option<NameSender>,
     ) -> PipelineHandle {
         let (tx, rx) = sync_channel(QUEUE_BATCHES);
         let pipeline = Pipeline {
@@ -260,6 +264,8 @@ impl PipelineHandle {
             known: Default::default(),
             seen: StackCache::default(),
             meta_written: Default::default(),
+            names,
+            named: 0,
         };
         let thread = std::thread::Builder::new()
             .name("memptrace-unwind".into())
@@ -316,8 +322,12 @@ impl Pipeline {
                 self.handle(msg);
             }
             recorder.send(std::mem::take(&mut self.out))?;
+            if let Some(names) = &self.names {
+                let frames = self.interner.frames();
+                names.frames(&frames[self.named..]);
+                self.named = frames.len();
+            }
         }
-        self.result.frames = self.interner.frames().to_vec();
         self.result.stack_nodes = self.interner.node_count();
         Ok(self.result)
     }
@@ -336,7 +346,9 @@ impl Pipeline {
                 process.images.insert(mapped.range.start, mapped.clone());
                 self.allocator_meta(&record.path, &mapped);
                 self.modules_by_id.insert(mapped.module_id, mapped);
-                self.result.modules.insert(record.id, record.clone());
+                if let Some(names) = &self.names {
+                    names.module(record.clone());
+                }
                 self.out.push(Record::Module(record));
             }
             TraceMsg::ImageGone {

@@ -1,0 +1,264 @@
+//! Naming frames on a thread of their own while the trace runs.
+//!
+//! Naming needs each image's debug data: for a Python or a C library that
+//! is megabytes of compressed DWARF to inflate and parse, 70 to 150 ms an
+//! image here. Done after the program ended, that was half of what a short
+//! trace spent after its program's exit, on one CPU while the other stood
+//! idle. The pipeline hands each frame to the namer once it has passed the
+//! frame on to the recorder, so an image's debug data is read when its
+//! first frame shows up and each name reaches the recorder behind the row
+//! it updates. The thread runs at the lowest priority: it takes the CPU
+//! time the program and the tracer leave.
+//!
+//! The same thread reads ahead the C library's allocator layout for the
+//! heap map taken at each process's exit ([`crate::heap::prepare`]).
+//!
+//! At the end the session waits for the namer briefly. A thread at the
+//! lowest priority can starve (after a detach the program runs on, flat
+//! out), and it cannot be given its priority back without privileges: then
+//! the session takes over what is left, names it itself, and the namer's
+//! late names are dropped.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::symbolize::Symbolizer;
+use crate::sink::{FrameRecord, FrameSymbols, ModuleRecord, Record, RecordSender, SinkError};
+use crate::wrappers::Wrappers;
+
+/// How long the end of a trace waits for the namer to finish.
+const GRACE: Duration = Duration::from_millis(200);
+
+/// What the namer and its producers share.
+#[derive(Default)]
+struct Queue {
+    modules: HashMap<u64, ModuleRecord>,
+    /// Frames handed over, oldest first.
+    pending: VecDeque<Vec<FrameRecord>>,
+    /// The frames the namer is naming now.
+    current: Vec<FrameRecord>,
+    /// Where names go; taken by the session when it takes over.
+    records: Option<RecordSender>,
+    /// Nothing more will be handed over.
+    closed: bool,
+    /// Set at the first failure to send names (the recorder stopped).
+    failed: Option<SinkError>,
+}
+
+#[derive(Default)]
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The producer side, held by the pipeline.
+#[derive(Clone)]
+pub struct NameSender {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for NameSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NameSender")
+    }
+}
+
+impl NameSender {
+    pub fn module(&self, module: ModuleRecord) {
+        self.shared.lock().modules.insert(module.id, module);
+    }
+
+    /// Frames the recorder has been sent (a name must not overtake the row
+    /// it updates). Frames of no known image are left unnamed.
+    pub fn frames(&self, frames: &[FrameRecord]) {
+        let frames: Vec<FrameRecord> = frames
+            .iter()
+            .filter(|f| f.module_id.is_some())
+            .cloned()
+            .collect();
+        if frames.is_empty() {
+            return;
+        }
+        self.shared.lock().pending.push_back(frames);
+        self.shared.ready.notify_one();
+    }
+}
+
+/// The naming thread.
+pub struct Namer {
+    shared: Arc<Shared>,
+    wrappers: Wrappers,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Namer {
+    /// Start the thread; its names go to `records`.
+    pub fn spawn(records: RecordSender, wrappers: Wrappers) -> Namer {
+        let shared = Arc::new(Shared::default());
+        shared.lock().records = Some(records);
+        let theirs = (shared.clone(), wrappers.clone());
+        let thread = std::thread::Builder::new()
+            .name("memptrace-names".into())
+            .spawn(move || name_all(&theirs.0, &theirs.1))
+            .expect("spawning the naming thread");
+        Namer {
+            shared,
+            wrappers,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn sender(&self) -> NameSender {
+        NameSender {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Every frame handed over named and its names with the recorder: by the
+    /// namer if it finishes within 200 ms, else by this thread (with a
+    /// bar on a terminal). Call it once the producers are done.
+    pub fn finish(mut self, draw: bool) -> Result<(), SinkError> {
+        self.close();
+        let deadline = Instant::now() + GRACE;
+        let thread = self.thread.take();
+        if let Some(thread) = thread {
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
+            // Otherwise it is left to end by itself, without a way to send.
+        }
+        let (records, modules, left) = {
+            let mut q = self.shared.lock();
+            if let Some(err) = q.failed.take() {
+                return Err(err);
+            }
+            let mut left = std::mem::take(&mut q.current);
+            left.extend(q.pending.drain(..).flatten());
+            (q.records.take(), q.modules.clone(), left)
+        };
+        let Some(records) = records.filter(|_| !left.is_empty()) else {
+            return Ok(());
+        };
+        let bar = crate::progress::bar_if(draw, left.len() as u64, "naming code addresses");
+        let mut symbolizer = Symbolizer::new();
+        for chunk in left.chunks(256) {
+            records.send(name(&mut symbolizer, &modules, chunk, &self.wrappers))?;
+            bar.inc(chunk.len() as u64);
+        }
+        bar.finish_and_clear();
+        Ok(())
+    }
+
+    fn close(&self) {
+        self.shared.lock().closed = true;
+        self.shared.ready.notify_all();
+    }
+}
+
+impl Drop for Namer {
+    /// An abandoned trace: the namer stops sending at once.
+    fn drop(&mut self) {
+        let mut q = self.shared.lock();
+        q.closed = true;
+        q.records = None;
+        q.pending.clear();
+        drop(q);
+        self.shared.ready.notify_all();
+    }
+}
+
+fn name_all(shared: &Shared, wrappers: &Wrappers) {
+    crate::os::local::lower_own_priority();
+    let mut symbolizer = Symbolizer::new();
+    let mut prepared = Vec::new();
+    loop {
+        let (frames, modules) = {
+            let mut q = shared.lock();
+            while q.pending.is_empty() && !q.closed {
+                q = shared.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            let Some(frames) = q.pending.pop_front() else {
+                return;
+            };
+            q.current = frames.clone();
+            let modules: HashMap<u64, ModuleRecord> = frames
+                .iter()
+                .filter_map(|f| f.module_id)
+                .filter_map(|id| Some((id, q.modules.get(&id)?.clone())))
+                .collect();
+            (frames, modules)
+        };
+        // The heap map at a process's exit will need its C library's
+        // layout: read it now, not while the process waits.
+        for module in modules.values() {
+            if crate::heap::is_c_library(&module.path) && !prepared.contains(&module.path) {
+                crate::heap::prepare(Path::new(&module.path));
+                prepared.push(module.path.clone());
+            }
+        }
+        let names = name(&mut symbolizer, &modules, &frames, wrappers);
+        let mut q = shared.lock();
+        let Some(records) = q.records.as_ref() else {
+            return;
+        };
+        if let Err(err) = records.send(names) {
+            q.failed = Some(err);
+            q.records = None;
+            return;
+        }
+        q.current.clear();
+    }
+}
+
+/// The names of `frames`, image by image.
+fn name(
+    symbolizer: &mut Symbolizer,
+    modules: &HashMap<u64, ModuleRecord>,
+    frames: &[FrameRecord],
+    wrappers: &Wrappers,
+) -> Vec<Record> {
+    let mut by_module: HashMap<u64, Vec<&FrameRecord>> = HashMap::new();
+    for frame in frames {
+        if let Some(module) = frame.module_id {
+            by_module.entry(module).or_default().push(frame);
+        }
+    }
+    let mut out = Vec::new();
+    for (module_id, frames) in by_module {
+        let Some(module) = modules.get(&module_id) else {
+            continue;
+        };
+        // Return addresses point after the call: look up the call itself.
+        let probes: Vec<u64> = frames
+            .iter()
+            .map(|f| f.ip.wrapping_sub(1).wrapping_sub(module.base))
+            .collect();
+        let path = module.path.trim_end_matches(" (deleted)");
+        let names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
+        let file = crate::report::stacks::file_name(&module.path);
+        out.extend(frames.iter().zip(names).filter_map(|(frame, lines)| {
+            // The function whose machine code holds the call: the
+            // outermost line.
+            let function = lines.last().and_then(|l| l.function.as_deref());
+            let wrapper = wrappers.is_allocator_frame(Some(file), function);
+            (wrapper || !lines.is_empty()).then_some(Record::Symbols(FrameSymbols {
+                frame_id: frame.id,
+                lines,
+                wrapper,
+            }))
+        }));
+    }
+    out
+}
