@@ -34,6 +34,8 @@ pub struct Outbox {
     awaiting: BTreeMap<u64, Tid>,
     /// Calls with their frames (jump probes), gathered into one message.
     open: Box<CallBatch>,
+    /// Calls with their frames in `batch` and `open`.
+    calls: usize,
 }
 
 impl Outbox {
@@ -45,6 +47,7 @@ impl Outbox {
             sent: 0,
             awaiting: BTreeMap::new(),
             open: Box::default(),
+            calls: 0,
         }
     }
 
@@ -83,6 +86,7 @@ impl Outbox {
             allocator_module,
             unmatched_release,
         });
+        self.calls += 1;
     }
 
     /// The open batch of calls becomes a message, in its place in order.
@@ -116,7 +120,7 @@ impl Outbox {
 
     /// The batch is worth sending.
     pub fn full(&self) -> bool {
-        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES || self.open.calls.len() >= BATCH
+        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES || self.calls >= BATCH
     }
 
     pub fn awaiting_copies(&self) -> bool {
@@ -156,6 +160,7 @@ impl Outbox {
         let batch = std::mem::replace(&mut self.batch, rest);
         self.sent += n as u64;
         self.bytes = 0;
+        self.calls = 0;
         self.pipeline.send(batch)
     }
 }

@@ -149,6 +149,13 @@ impl Tracer {
         self.stats.skipped_records += skipped;
         for record in &pulled.records {
             self.book_record(pid, record, pulled.frames(record));
+            // One reading can bring thousands of calls (a ring holds 1 MiB):
+            // they go in batches of the usual size, so that what waits for
+            // the pipeline and the recorder stays bounded. (If the pipeline
+            // is gone, the wait loop's next flush says so.)
+            if self.out.full() {
+                let _ = self.flush();
+            }
         }
         pulled.clear();
         if let Some(process) = self.family.processes.get_mut(&pid) {
