@@ -103,17 +103,25 @@ pub struct Namer {
 impl Namer {
     /// Start the thread; its names go to `records`.
     pub fn spawn(records: RecordSender, wrappers: Wrappers) -> Namer {
-        let shared = Arc::new(Shared::default());
-        shared.lock().records = Some(records);
-        let theirs = (shared.clone(), wrappers.clone());
+        let mut namer = Namer::idle(records, wrappers);
+        let theirs = (namer.shared.clone(), namer.wrappers.clone());
         let thread = std::thread::Builder::new()
             .name("memptrace-names".into())
             .spawn(move || name_all(&theirs.0, &theirs.1))
             .expect("spawning the naming thread");
+        namer.thread = Some(thread);
+        namer
+    }
+
+    /// A namer without its thread: everything is left to [`Namer::finish`],
+    /// as when the thread starves.
+    fn idle(records: RecordSender, wrappers: Wrappers) -> Namer {
+        let shared = Arc::new(Shared::default());
+        shared.lock().records = Some(records);
         Namer {
             shared,
             wrappers,
-            thread: Some(thread),
+            thread: None,
         }
     }
 
@@ -261,4 +269,77 @@ fn name(
         }));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::{MemorySink, Recorder};
+    use crate::symbols::symbolize::tests::{CHAIN_C, TempDir, build, first_call_in};
+
+    /// `level_two`'s call in a program built here, as a frame of module 1
+    /// (loaded at its file addresses), and the names a namer gave it.
+    fn named(dir: &str, start: impl FnOnce(RecordSender, Wrappers) -> Namer) -> Vec<FrameSymbols> {
+        let dir = TempDir::new(dir);
+        build(&dir, "gcc", "chain.c", CHAIN_C, &["-g", "-O1"], "chain");
+        let binary = dir.path("chain");
+        let sink = MemorySink::new();
+        let recorder = Recorder::spawn(Box::new(sink.clone()));
+        let namer = start(recorder.sender(), Wrappers::new(&[]).unwrap());
+        let names = namer.sender();
+        names.module(ModuleRecord {
+            id: 1,
+            pid: 1,
+            path: binary.to_string_lossy().into_owned(),
+            build_id: None,
+            start: 0,
+            end: u64::MAX,
+            base: 0,
+            loaded_ns: 0,
+        });
+        let ip = first_call_in(&binary, "level_two") + 1;
+        names.frames(&[
+            FrameRecord {
+                id: 7,
+                ip,
+                module_id: Some(1),
+            },
+            // Outside every image: left unnamed, and not an error.
+            FrameRecord {
+                id: 8,
+                ip: 0x10,
+                module_id: None,
+            },
+        ]);
+        drop(names);
+        namer.finish(false).unwrap();
+        recorder.finish().unwrap();
+        sink.records()
+            .into_iter()
+            .filter_map(|r| match r {
+                Record::Symbols(s) => Some(s),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn assert_level_two(names: &[FrameSymbols]) {
+        assert_eq!(names.len(), 1, "{names:?}");
+        assert_eq!(names[0].frame_id, 7);
+        let function = names[0].lines.last().and_then(|l| l.function.as_deref());
+        assert_eq!(function, Some("level_two"), "{names:?}");
+        assert!(!names[0].wrapper);
+    }
+
+    #[test]
+    fn names_the_frames_it_is_handed() {
+        assert_level_two(&named("namer", Namer::spawn));
+    }
+
+    /// The namer's thread never got the CPU: the end of the trace names
+    /// what it was handed.
+    #[test]
+    fn the_end_names_what_a_starved_namer_left() {
+        assert_level_two(&named("namer-idle", Namer::idle));
+    }
 }

@@ -21,7 +21,7 @@ pub(crate) mod debug_file;
 mod objinfo;
 mod symtab;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 use std::borrow::Cow;
 use std::collections::HashMap;

@@ -17,10 +17,10 @@ use super::*;
 const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
 
 /// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(PathBuf);
 
 impl TempDir {
-    fn new(name: &str) -> TempDir {
+    pub(crate) fn new(name: &str) -> TempDir {
         let dir =
             std::env::temp_dir().join(format!("memptrace-symbolize-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -28,7 +28,7 @@ impl TempDir {
         TempDir(dir)
     }
 
-    fn path(&self, name: &str) -> PathBuf {
+    pub(crate) fn path(&self, name: &str) -> PathBuf {
         self.0.join(name)
     }
 }
@@ -53,7 +53,14 @@ fn run(program: &str, args: &[&str], dir: &Path) {
 }
 
 /// Writes `source` to `dir/file` and builds `dir/output` from it.
-fn build(dir: &TempDir, compiler: &str, file: &str, source: &str, flags: &[&str], output: &str) {
+pub(crate) fn build(
+    dir: &TempDir,
+    compiler: &str,
+    file: &str,
+    source: &str,
+    flags: &[&str],
+    output: &str,
+) {
     std::fs::write(dir.path(file), source).unwrap();
     let mut args = flags.to_vec();
     args.extend(["-o", output, file]);
@@ -83,7 +90,7 @@ fn function_range(binary: &Path, name: &str) -> Range<u64> {
 
 /// The probe a trace would make for the first call instruction in function
 /// `name`: its return address minus one.
-fn first_call_in(binary: &Path, name: &str) -> u64 {
+pub(crate) fn first_call_in(binary: &Path, name: &str) -> u64 {
     let range = function_range(binary, name);
     let bytes = std::fs::read(binary).unwrap();
     let elf = Elf::parse(&bytes).unwrap();
@@ -117,7 +124,7 @@ fn one(symbolizer: &mut Symbolizer, binary: &Path, probe: u64) -> Vec<SourceLine
     lines.remove(0)
 }
 
-const CHAIN_C: &str = include_str!("fixtures/chain.c");
+pub(crate) const CHAIN_C: &str = include_str!("fixtures/chain.c");
 
 /// `level_two`'s call to `level_three`: function, file and line.
 fn assert_level_two(lines: &[SourceLine]) {
