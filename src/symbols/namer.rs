@@ -38,12 +38,20 @@ struct Queue {
     modules: HashMap<u64, ModuleRecord>,
     /// Frames handed over, oldest first.
     pending: VecDeque<Vec<FrameRecord>>,
-    /// The frames the namer is naming now.
+    /// The frames the namer is naming now (cleared once their names are
+    /// sent, under the `Out` lock).
     current: Vec<FrameRecord>,
-    /// Where names go; taken by the session when it takes over.
-    records: Option<RecordSender>,
     /// Nothing more will be handed over.
     closed: bool,
+}
+
+/// Where names go. A lock of its own: the namer holds it while the
+/// recorder's queue is full, and the pipeline, which only hands frames over,
+/// must never wait behind a thread of the lowest priority.
+#[derive(Default)]
+struct Out {
+    /// Taken by the session when it takes over.
+    records: Option<RecordSender>,
     /// Set at the first failure to send names (the recorder stopped).
     failed: Option<SinkError>,
 }
@@ -52,11 +60,16 @@ struct Queue {
 struct Shared {
     queue: Mutex<Queue>,
     ready: Condvar,
+    out: Mutex<Out>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn out(&self) -> MutexGuard<'_, Out> {
+        self.out.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -117,7 +130,7 @@ impl Namer {
     /// as when the thread starves.
     fn idle(records: RecordSender, wrappers: Wrappers) -> Namer {
         let shared = Arc::new(Shared::default());
-        shared.lock().records = Some(records);
+        shared.out().records = Some(records);
         Namer {
             shared,
             wrappers,
@@ -147,14 +160,20 @@ impl Namer {
             }
             // Otherwise it is left to end by itself, without a way to send.
         }
-        let (records, modules, left) = {
-            let mut q = self.shared.lock();
-            if let Some(err) = q.failed.take() {
+        // Once `records` is taken the namer sends nothing more, and what it
+        // did send is no longer in `current`.
+        let records = {
+            let mut out = self.shared.out();
+            if let Some(err) = out.failed.take() {
                 return Err(err);
             }
+            out.records.take()
+        };
+        let (modules, left) = {
+            let mut q = self.shared.lock();
             let mut left = std::mem::take(&mut q.current);
             left.extend(q.pending.drain(..).flatten());
-            (q.records.take(), q.modules.clone(), left)
+            (q.modules.clone(), left)
         };
         let Some(records) = records.filter(|_| !left.is_empty()) else {
             return Ok(());
@@ -178,9 +197,9 @@ impl Namer {
 impl Drop for Namer {
     /// An abandoned trace: the namer stops sending at once.
     fn drop(&mut self) {
+        self.shared.out().records = None;
         let mut q = self.shared.lock();
         q.closed = true;
-        q.records = None;
         q.pending.clear();
         drop(q);
         self.shared.ready.notify_all();
@@ -217,16 +236,16 @@ fn name_all(shared: &Shared, wrappers: &Wrappers) {
             }
         }
         let names = name(&mut symbolizer, &modules, &frames, wrappers);
-        let mut q = shared.lock();
-        let Some(records) = q.records.as_ref() else {
+        let mut out = shared.out();
+        let Some(records) = out.records.as_ref() else {
             return;
         };
         if let Err(err) = records.send(names) {
-            q.failed = Some(err);
-            q.records = None;
+            out.failed = Some(err);
+            out.records = None;
             return;
         }
-        q.current.clear();
+        shared.lock().current.clear();
     }
 }
 
