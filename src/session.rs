@@ -164,7 +164,9 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     let (ending, stats, pipeline) = recording.trace(tracer)?;
     // Detached as asked, memptrace did its job: 0. The process ending
     // during the trace is reported as a launched program's end would be.
+    // A detach that could not let every thread go says so and fails.
     let status = match ending {
+        Ending::Detached { .. } if !stats.detach_left.is_empty() => 1,
         Ending::Detached { .. } => 0,
         _ => exit_status(&ending),
     };
@@ -390,6 +392,11 @@ impl Recording {
         for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }
+        for left in &stats.detach_left {
+            eprintln!(
+                "memptrace: detach incomplete: {left}; it stays traced until memptrace exits, when the kernel lets it go"
+            );
+        }
         let rows = end
             .into_iter()
             .map(|(k, v)| meta_record(k, v))
@@ -399,6 +406,7 @@ impl Recording {
                     .map(|(k, v)| Record::Meta { key: k, value: v }),
             )
             .chain(numbered_rows("warning", &warnings))
+            .chain(numbered_rows("detach_incomplete", &stats.detach_left))
             .collect();
         self.records.send(rows)?;
         drop(self.records);

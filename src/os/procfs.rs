@@ -154,6 +154,29 @@ pub fn threads(pid: Tid) -> io::Result<Vec<Tid>> {
 }
 
 /// The command line of a process, arguments joined by spaces.
+/// True when thread `tid` of `pid` is gone or dying (`State:` Z or X, or no
+/// status file): the kernel refuses to attach to it (EPERM), and it will
+/// make no more calls.
+pub fn thread_ending(pid: Tid, tid: Tid) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
+        return true;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .map(str::trim_start)
+        .is_some_and(|state| state.starts_with('Z') || state.starts_with('X'))
+}
+
+/// The tracer of thread `tid` of `pid` (`TracerPid:`, 0 for none).
+pub fn thread_tracer(pid: Tid, tid: Tid) -> Option<Tid> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("TracerPid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 pub fn cmdline(pid: Tid) -> Option<String> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<String> = raw

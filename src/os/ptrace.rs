@@ -177,6 +177,42 @@ pub fn wait_tid(tid: Tid) -> io::Result<Option<(Tid, Stop)>> {
     wait(tid, 0)
 }
 
+/// Wait for one thread's next stop, but not past `deadline`: `Ok(None)`
+/// when it has not stopped by then. It polls (a stop is usually there
+/// within microseconds: a single step, an injected call) and then sleeps in
+/// short steps, so that no wait of memptrace's can last forever, whatever
+/// the thread does (blocks in the kernel, or is never scheduled).
+pub fn wait_tid_until(tid: Tid, deadline: std::time::Instant) -> io::Result<Option<Stop>> {
+    let mut round = 0u32;
+    loop {
+        if let Some((_, stop)) = wait(tid, libc::WNOHANG)? {
+            return Ok(Some(stop));
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(None);
+        }
+        round += 1;
+        if round < 64 {
+            std::thread::yield_now();
+        } else {
+            let pause = if round < 256 { 20 } else { 200 };
+            std::thread::sleep(std::time::Duration::from_micros(pause));
+        }
+    }
+}
+
+/// The ptrace event a thread is stopped at (`PTRACE_EVENT_*`, from the
+/// `si_code` of its stop), 0 for a signal-delivery-stop, `None` when it
+/// cannot be read (a group-stop has no siginfo).
+pub fn event_of(tid: Tid) -> Option<i32> {
+    let info = siginfo(tid).ok()?;
+    Some(if info.si_signo == libc::SIGTRAP {
+        info.si_code >> 8
+    } else {
+        0
+    })
+}
+
 fn wait(pid: Tid, flags: i32) -> io::Result<Option<(Tid, Stop)>> {
     let mut status = 0;
     // SAFETY: waitpid with a valid out pointer.

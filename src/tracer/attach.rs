@@ -94,12 +94,27 @@ impl Tracer {
         }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
-        let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_)));
+        // A thread of the process itself (a vfork child born meanwhile shares
+        // its memory but not its file descriptors, and the memfd must be
+        // the process's), and not a vfork parent: it cannot run a call
+        // before its child execs or exits (see `inject::leave_system_call`).
+        // If the process's only thread is that vfork parent, its child,
+        // which runs in the same memory from a clean first stop, does it.
+        let family = &self.family;
+        let free = |tid: &Tid| ptrace::event_of(*tid) != Some(libc::PTRACE_EVENT_VFORK);
+        let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_))) && free(tid);
+        let ours = |tid: &Tid| family.pid_of(*tid) == Some(pid);
+        let shares = |tid: &Tid| {
+            family.processes.get(tid).is_some_and(|p| {
+                p.role == Role::Shares { parent: pid } && family.pid_of(*tid) == Some(*tid)
+            })
+        };
         let worker = [pid]
             .into_iter()
             .chain(resume.keys().copied())
-            .find(runs)
-            .or_else(|| resume.keys().next().copied())
+            .find(|t| runs(t) && ours(t))
+            .or_else(|| resume.keys().copied().find(|t| runs(t) && shares(t)))
+            .or_else(|| resume.keys().copied().find(|t| ours(t) && free(t)))
             .ok_or(TraceError::NoSuchProcess(pid))?;
         let space = Space::new(pid, self.catch())?;
         if let Some(process) = self.family.processes.get_mut(&pid) {
@@ -152,7 +167,9 @@ impl Tracer {
         }
         let mut resume = HashMap::new();
         let mut progress = Instant::now();
-        while !waiting.is_empty() {
+        // Children announced by a birth are waited for too: a vfork child
+        // must be held (and may have to run the injected calls).
+        while !waiting.is_empty() || !self.family.announced.is_empty() {
             self.hold(&resume);
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
@@ -258,8 +275,17 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
             // when memptrace gives up and exits. See `Tracer::hook_stopped`.
             match ptrace::seize(tid, ptrace::OPTIONS & !libc::PTRACE_O_EXITKILL) {
                 Ok(()) => seized.push(tid),
-                // It exited meanwhile.
-                Err(err) if err.raw_os_error() == Some(libc::ESRCH) && tid != pid => {}
+                // It exited meanwhile, or is exiting (the kernel refuses a
+                // thread whose exit has begun with EPERM), or it is already
+                // memptrace's: made by a thread seized a moment ago, it was
+                // attached with its birth (PTRACE_O_TRACECLONE) and is
+                // adopted when that birth is reported.
+                Err(err)
+                    if tid != pid
+                        && (err.raw_os_error() == Some(libc::ESRCH)
+                            || procfs::thread_ending(pid, tid)
+                            || procfs::thread_tracer(pid, tid)
+                                == Some(std::process::id() as Tid)) => {}
                 Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
                     release(&seized);
                     return Err(TraceError::NoSuchProcess(pid));

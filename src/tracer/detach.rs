@@ -14,8 +14,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use super::inject::InjectError;
 use super::probes::int3::{self, InStub, RETURN_INT3};
 use super::process::{Child, Process, Role};
+use super::space::SpaceError;
 use super::stop::Stopped;
 use super::{TraceError, Tracer};
 use crate::os::mem;
@@ -84,7 +86,7 @@ impl Tracer {
             .filter(|t| !held.contains_key(t))
             .copied()
             .collect();
-        self.restore_and_release(deliver, &stuck)
+        self.restore_and_release(deliver, &stuck, &HashSet::new())
     }
 
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
@@ -109,21 +111,35 @@ impl Tracer {
         }
         let mut progress = Instant::now();
         let mut stuck: HashSet<Tid> = HashSet::new();
-        while !waiting.is_empty() || !self.family.announced.is_empty() {
+        let mut kicked = Instant::now();
+        loop {
+            // A vfork parent waits in the kernel until its child execs or
+            // exits, and cannot stop before: it is detached last, once the
+            // child runs again (see `restore_and_release`).
+            let parents = self.vfork_parents();
+            let blocked = |t: &Tid| parents.contains(t);
+            if waiting.iter().all(blocked) && self.family.announced.is_empty() {
+                break;
+            }
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(_) => continue,
-                Stopping::Nothing if progress.elapsed() < super::PATIENCE => continue,
-                Stopping::Nothing => {
-                    // Not one stop for a while: what has not stopped by now is
-                    // left running (traced until memptrace exits), and the
-                    // trampoline pages stay, since it may be in them.
-                    for &tid in &waiting {
-                        self.stats.warnings.push(format!(
-                            "thread {tid} did not stop within {} s to be detached",
-                            super::PATIENCE.as_secs()
-                        ));
+                Stopping::Nothing if progress.elapsed() < super::PATIENCE => {
+                    if kicked.elapsed() >= super::PATIENCE / 8 {
+                        // A thread between two states (leaving a system
+                        // call, a group-stop) is asked again.
+                        for &tid in &waiting {
+                            let _ = ptrace::interrupt(tid);
+                        }
+                        kicked = Instant::now();
                     }
+                    continue;
+                }
+                Stopping::Nothing => {
+                    // Not one stop for a while (uninterruptible sleep, a
+                    // frozen cgroup): what has not stopped by now is detached
+                    // last, once it stops (see `restore_and_release`); the
+                    // trampoline pages stay, since it may be in them.
                     stuck = std::mem::take(&mut waiting);
                     self.family.announced.clear();
                     break;
@@ -170,9 +186,21 @@ impl Tracer {
                     waiting.remove(&tid);
                 }
                 Stopped::Exec => {
-                    // The old code is gone with the old memory.
-                    if let Some(space) = self.family.space_of_mut(tid) {
-                        space.hooks.clear();
+                    // The old code is gone with the old memory, if the memory
+                    // was the process's own: a vfork child that execs leaves
+                    // its parent's memory, and the probes in it, as they are.
+                    let pid = self.family.pid_of(tid).unwrap_or(tid);
+                    let owns = self
+                        .family
+                        .processes
+                        .get(&pid)
+                        .is_some_and(|p| p.role == Role::Traced);
+                    if owns {
+                        if let Some(space) = self.family.space_of_mut(tid) {
+                            space.hooks.clear();
+                        }
+                    } else {
+                        self.end_sharing(pid);
                     }
                     waiting.remove(&tid);
                 }
@@ -190,7 +218,18 @@ impl Tracer {
                 }
             }
         }
-        self.restore_and_release(deliver, &stuck)
+        let late: HashSet<Tid> = waiting.difference(&stuck).copied().collect();
+        self.restore_and_release(deliver, &stuck, &late)
+    }
+
+    /// Threads blocked in a vfork until their child execs or exits.
+    fn vfork_parents(&self) -> HashSet<Tid> {
+        self.family
+            .processes
+            .values()
+            .filter(|p| matches!(p.role, Role::Shares { .. }))
+            .filter_map(|p| p.paused)
+            .collect()
     }
 
     /// Put back what was changed, then detach every thread: return addresses,
@@ -200,6 +239,7 @@ impl Tracer {
         &mut self,
         mut deliver: HashMap<Tid, i32>,
         stuck: &HashSet<Tid>,
+        late: &HashSet<Tid>,
     ) -> Result<(), TraceError> {
         // Every thread is stopped: copies not made yet are read now.
         self.settle_all(true);
@@ -210,8 +250,13 @@ impl Tracer {
             .iter()
             .filter_map(|&tid| self.family.owner_of(tid))
             .collect();
-        for tid in stuck {
-            self.family.threads.remove(tid);
+        // Threads not stopped yet are detached last (they run nothing of
+        // memptrace's meanwhile: they are in the kernel).
+        let mut later: Vec<(Tid, Tid)> = Vec::new();
+        for tid in stuck.iter().chain(late) {
+            if let Some(thread) = self.family.threads.remove(tid) {
+                later.push((*tid, thread.pid));
+            }
         }
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
@@ -276,11 +321,48 @@ impl Tracer {
             .filter(|(_, p)| p.role == Role::Traced && p.space.is_some())
             .map(|(&pid, _)| pid)
             .collect();
+        // A vfork parent stopped at its vfork cannot run the munmap calls,
+        // and its child, stopped too, cannot exec until let go: the parent
+        // goes on into its vfork (asked to stop once out of it) and is
+        // detached later, by which time its child runs.
+        for &tid in &tids {
+            if ptrace::event_of(tid) == Some(libc::PTRACE_EVENT_VFORK) {
+                let sig = deliver.remove(&tid).unwrap_or(0);
+                // Nothing it makes from now on is attached to memptrace (a
+                // next vfork's child would hold it again), and memptrace's
+                // exit does not kill it.
+                let _ = ptrace::set_options(tid, 0);
+                // This stop, if queued, is over once it runs.
+                let _ = self.stops.take_of(tid);
+                if ptrace::cont(tid, sig).is_ok() {
+                    let _ = ptrace::interrupt(tid);
+                    let pid = self.family.pid_of(tid).unwrap_or(tid);
+                    later.push((tid, pid));
+                }
+            }
+        }
+        let tids: Vec<Tid> = tids
+            .into_iter()
+            .filter(|t| !later.iter().any(|(l, _)| l == t))
+            .collect();
+        let mut deferred: HashMap<Tid, super::space::Space> = HashMap::new();
         for pid in traced {
-            let worker = tids
+            // The threads that can run the munmap calls: any stopped thread
+            // of the process, but not one that is exiting or a vfork parent
+            // (see `inject::leave_system_call`); if one goes meanwhile, the
+            // next one does it (munmap of what is already gone succeeds).
+            let mut workers: Vec<Tid> = tids
                 .iter()
                 .copied()
-                .find(|&t| self.family.pid_of(t) == Some(pid));
+                .filter(|&t| self.family.pid_of(t) == Some(pid))
+                .filter(|&t| {
+                    !matches!(
+                        ptrace::event_of(t),
+                        Some(libc::PTRACE_EVENT_EXIT | libc::PTRACE_EVENT_VFORK)
+                    )
+                })
+                .collect();
+            workers.sort_by_key(|&t| t != pid);
             let Some(space) = self
                 .family
                 .processes
@@ -290,35 +372,199 @@ impl Tracer {
                 continue;
             };
             space.restore_all()?;
-            let (Some(worker), false) = (worker, keep_pages.contains(&pid)) else {
+            if workers.is_empty() && !keep_pages.contains(&pid) {
+                // Its only threads stop later (a vfork parent): one of them
+                // unmaps the pages then.
+                if later.iter().any(|&(_, p)| p == pid) {
+                    if let Some(space) = self
+                        .family
+                        .processes
+                        .get_mut(&pid)
+                        .and_then(|p| p.space.take())
+                    {
+                        deferred.insert(pid, space);
+                    }
+                    continue;
+                }
+            }
+            if keep_pages.contains(&pid) || workers.is_empty() {
                 self.stats
                     .warnings
                     .push(format!("process {pid}: trampoline pages left mapped"));
                 continue;
-            };
-            match space.unmap_areas(worker) {
-                Ok(signals) => {
-                    for sig in signals {
-                        if let std::collections::hash_map::Entry::Vacant(e) = deliver.entry(worker)
-                        {
-                            e.insert(sig);
-                        } else {
-                            let _ = ptrace::tgkill(pid, worker, sig);
+            }
+            let mut last_error = None;
+            for &worker in &workers {
+                match space.unmap_areas(worker) {
+                    Ok(signals) => {
+                        for sig in signals {
+                            if let std::collections::hash_map::Entry::Vacant(e) =
+                                deliver.entry(worker)
+                            {
+                                e.insert(sig);
+                            } else {
+                                let _ = ptrace::tgkill(pid, worker, sig);
+                            }
                         }
+                        last_error = None;
+                        break;
+                    }
+                    Err(SpaceError::Inject(
+                        err @ (InjectError::Gone(_) | InjectError::InVfork),
+                    )) => last_error = Some(SpaceError::Inject(err)),
+                    Err(err) => {
+                        last_error = Some(err);
+                        break;
                     }
                 }
-                Err(err) => self.stats.warnings.push(format!(
+            }
+            if let Some(err) = last_error {
+                self.stats.warnings.push(format!(
                     "process {pid}: trampoline pages left mapped: {err}"
-                )),
+                ));
             }
         }
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
             ptrace::unless_gone(ptrace::detach(tid, sig))?;
         }
+        // Threads and children whose first stop came before their birth was
+        // reported: stopped, and memptrace's until let go.
+        let early: Vec<(Tid, Stop)> = self.family.early.drain().collect();
+        for (tid, stop) in early {
+            let sig = match Stopped::of(stop) {
+                Stopped::Signal(sig) | Stopped::Fault(sig) => sig,
+                _ => 0,
+            };
+            let _ = ptrace::unless_gone(ptrace::detach(tid, sig));
+        }
         self.family.threads.clear();
         self.family.processes.clear();
+        self.detach_later(later, deferred);
         Ok(())
+    }
+
+    /// Detach the threads that had not stopped when the rest were let go (a
+    /// vfork parent, released when its child, now running, execs; a thread
+    /// in uninterruptible sleep), as each stops: asked again and again, up
+    /// to [`super::DETACH_PATIENCE`], or until memptrace is told to stop
+    /// once more. What is left is said: such a thread stays traced until
+    /// memptrace exits, when the kernel lets it go.
+    /// `deferred`: spaces whose trampoline pages one of these threads
+    /// unmaps once it stops (every other thread of the process is gone).
+    fn detach_later(
+        &mut self,
+        later: Vec<(Tid, Tid)>,
+        mut deferred: HashMap<Tid, super::space::Space>,
+    ) {
+        let deadline = Instant::now() + super::DETACH_PATIENCE;
+        let asked = crate::os::signals::interrupts()
+            + u32::from(crate::os::signals::terminate_signal().is_some());
+        for (tid, pid) in later {
+            let mut stopped = false;
+            while !stopped && Instant::now() < deadline {
+                let told = crate::os::signals::interrupts()
+                    + u32::from(crate::os::signals::terminate_signal().is_some());
+                if told > asked {
+                    break;
+                }
+                let queued = self.stops.take_of(tid);
+                if queued.is_none() {
+                    let _ = ptrace::interrupt(tid);
+                }
+                let step = (Instant::now() + super::PATIENCE / 8).min(deadline);
+                let next = match queued {
+                    Some(stop) => Ok(Some(stop)),
+                    None => ptrace::wait_tid_until(tid, step),
+                };
+                match next {
+                    Ok(None) => continue,
+                    Ok(Some(Stop::Exited(_) | Stop::Killed { .. })) | Err(_) => {
+                        stopped = true;
+                    }
+                    Ok(Some(stop)) => {
+                        let mut sig = match Stopped::of(stop) {
+                            Stopped::Signal(sig) | Stopped::Fault(sig) => sig,
+                            _ => 0,
+                        };
+                        let exiting = Stopped::of(stop) == Stopped::Exiting;
+                        // It made a thread or a process on its way out of the
+                        // kernel: that one was attached with its birth and is
+                        // let go too; a vfork child, which runs in the same
+                        // memory from a clean stop, unmaps the pages then.
+                        let mut worker = tid;
+                        let born = match Stopped::of(stop) {
+                            Stopped::Birth(event) => ptrace::event_msg(tid)
+                                .ok()
+                                .map(|child| (event, child as Tid)),
+                            _ => None,
+                        };
+                        let born = born.and_then(|(event, child)| {
+                            let early = self.family.early.remove(&child);
+                            let first = early.or_else(|| self.stops.take_of(child)).or_else(|| {
+                                ptrace::wait_tid_until(child, Instant::now() + super::PATIENCE)
+                                    .ok()
+                                    .flatten()
+                            });
+                            let stopped = first.is_some_and(|f| Stopped::of(f) != Stopped::Gone);
+                            if stopped && event != libc::PTRACE_EVENT_FORK {
+                                worker = child;
+                            }
+                            stopped.then_some(child)
+                        });
+                        let in_vfork =
+                            Stopped::of(stop) == Stopped::Birth(libc::PTRACE_EVENT_VFORK);
+                        if in_vfork && worker == tid {
+                            // At a vfork whose child is not memptrace's: it
+                            // cannot run the calls; it goes on into the vfork,
+                            // making nothing memptrace's, and stops once out.
+                            if let Some(child) = born {
+                                let _ = ptrace::detach(child, 0);
+                            }
+                            let _ = ptrace::set_options(tid, 0);
+                            let _ = ptrace::cont(tid, sig);
+                            continue;
+                        }
+                        if let (Some(space), false) = (deferred.get_mut(&pid), exiting) {
+                            match space.unmap_areas(worker) {
+                                Ok(signals) => {
+                                    for extra in signals {
+                                        if sig == 0 {
+                                            sig = extra;
+                                        } else {
+                                            let _ = ptrace::tgkill(pid, tid, extra);
+                                        }
+                                    }
+                                    deferred.remove(&pid);
+                                }
+                                Err(err) => {
+                                    self.stats.warnings.push(format!(
+                                        "process {pid}: trampoline pages left mapped: {err}"
+                                    ));
+                                    deferred.remove(&pid);
+                                }
+                            }
+                        }
+                        if let Some(child) = born {
+                            let _ = ptrace::detach(child, 0);
+                        }
+                        if ptrace::unless_gone(ptrace::detach(tid, sig)).is_ok() {
+                            stopped = true;
+                        }
+                    }
+                }
+            }
+            if !stopped {
+                self.stats.detach_left.push(format!(
+                    "thread {tid} of process {pid} did not stop to be detached"
+                ));
+            }
+        }
+        for pid in deferred.into_keys() {
+            self.stats
+                .warnings
+                .push(format!("process {pid}: trampoline pages left mapped"));
+        }
     }
 
     /// While stopping every thread (to attach or detach): the next stop of a
@@ -346,15 +592,16 @@ impl Tracer {
         Ok(Stopping::Nothing)
     }
 
-    /// True when the thread is stopped right after one of our int3s.
+    /// True when the thread is stopped right after one of our int3s (an
+    /// entry, a stub's return, or a jump probe's miss).
     fn at_int3(&self, tid: Tid) -> bool {
         let Ok(regs) = ptrace::get_regs(tid) else {
             return false;
         };
         let at = regs.rip.wrapping_sub(1);
-        self.family
-            .space_of(tid)
-            .is_some_and(|s| s.hooks.is_return(at) || s.hooks.contains(at))
+        self.family.space_of(tid).is_some_and(|s| {
+            s.hooks.is_return(at) || s.hooks.contains(at) || s.hooks.missed(at).is_some()
+        })
     }
 
     /// A thread reported the SIGTRAP of one of our int3s while detaching:

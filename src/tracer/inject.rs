@@ -7,6 +7,7 @@
 //! the step is kept and handed back to the caller to deliver afterwards.
 
 use std::io;
+use std::time::{Duration, Instant};
 
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::shared::{self, SharedMemory};
@@ -15,8 +16,18 @@ use crate::os::shared::{self, SharedMemory};
 pub enum InjectError {
     #[error("ptrace: {0}")]
     Ptrace(#[from] io::Error),
+    /// With the thread's last status when the wait collected it (a
+    /// leader's exit: the process's status, which the trace must report).
     #[error("the thread exited while running an injected system call")]
-    Gone,
+    Gone(Option<Stop>),
+    #[error("the thread is a vfork parent waiting for its child")]
+    InVfork,
+    #[error(
+        "the thread did not come back from an injected system call in time; its registers were put back"
+    )]
+    Timeout,
+    #[error("the thread did not come back from an injected system call and could not be stopped")]
+    Stuck,
     #[error("the injected system call failed with errno {0}")]
     Errno(i32),
 }
@@ -28,9 +39,23 @@ pub struct Injected {
     pub signals: Vec<i32>,
 }
 
+/// How long one step of an injected call may take before memptrace stops
+/// waiting for it (a `syscall` instruction of memfd_create, mmap or close
+/// returns in microseconds; a thread that does not is not waited for
+/// forever).
+const STEP_PATIENCE: Duration = Duration::from_secs(2);
+
 /// Run `syscall(nr, args...)` in the stopped thread `tid` using the `syscall`
 /// instruction bytes at `insn`.
+///
+/// The thread's registers are saved and put back under the kernel's rules
+/// for a thread stopped in a system call (see [`leave_system_call`]): at a
+/// signal-delivery-stop or a PTRACE_EVENT_STOP, `orig_rax` and an
+/// `-ERESTART*` code in `rax` are put back as they were, so the kernel
+/// restarts (or not) the call the thread was in exactly as it would have.
 pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected, InjectError> {
+    let mut signals = Vec::new();
+    leave_system_call(tid, &mut signals)?;
     let saved = ptrace::get_regs(tid)?;
     let mut regs = saved;
     regs.rax = nr;
@@ -42,27 +67,30 @@ pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected,
     regs.r9 = args[5];
     regs.rip = insn;
     // orig_rax = -1: the kernel must not treat the stop we came from as an
-    // interrupted system call to restart (`syscall(2)` restart logic).
+    // interrupted system call to restart (`syscall(2)` restart logic) while
+    // our call runs; `saved` brings it back for the thread's own call.
     regs.orig_rax = u64::MAX;
 
-    let mut signals = Vec::new();
     let result = loop {
-        // (Re)load the call's registers before every step: stopped in a system
-        // call (the exec event), the kernel stores that call's result into rax
-        // on the way out, and the first step then ends before our instruction.
         ptrace::set_regs(tid, &regs)?;
         ptrace::single_step(tid)?;
-        let after = loop {
-            match ptrace::wait_tid(tid)? {
-                Some((_, stop)) => break stop,
-                None => continue, // our own signal interrupted the wait
+        let after = match wait_step(tid)? {
+            Some(stop) => stop,
+            None => {
+                // Still running our call: stop it and put its registers back.
+                let _ = ptrace::interrupt(tid);
+                if let Ok(Some(_)) = wait_step(tid) {
+                    let _ = ptrace::set_regs(tid, &saved);
+                    return Err(InjectError::Timeout);
+                }
+                return Err(InjectError::Stuck);
             }
         };
         match after {
             Stop::Signal(libc::SIGTRAP) => {}
             Stop::Signal(sig) => signals.push(sig),
-            Stop::Exited(_) | Stop::Killed { .. } => return Err(InjectError::Gone),
-            Stop::Event(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone),
+            Stop::Exited(_) | Stop::Killed { .. } => return Err(InjectError::Gone(Some(after))),
+            Stop::Event(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone(None)),
             _ => {}
         }
         let now = ptrace::get_regs(tid)?;
@@ -79,6 +107,58 @@ pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected,
         value: result,
         signals,
     })
+}
+
+/// Finish the system call a thread is stopped in, when it is stopped at a
+/// ptrace event inside one (`ptrace(2)`: the clone, fork, exec and
+/// vfork-done events are reported from within the call).
+///
+/// There the call is still in progress: `rax` holds -ENOSYS, and the call's
+/// result (a new thread's id, 0 after an exec) is stored into `rax` on the
+/// way out. Registers saved at that stop and put back after an injected call
+/// would replace the result with -ENOSYS: a clone3 that made a thread would
+/// return ENOSYS, and glibc would make the thread again with clone (a start
+/// routine run twice). So the call is finished first: one step, and the
+/// thread stops at a signal-delivery-stop (the step's SIGTRAP, or a signal
+/// that came first, kept for delivery) with the call's result in `rax`.
+/// Registers saved there are the thread's own, and the kernel's restart rules
+/// apply to them when it resumes. A vfork parent is not stepped: it would
+/// wait in the kernel for its child, which memptrace may hold.
+fn leave_system_call(tid: Tid, signals: &mut Vec<i32>) -> Result<(), InjectError> {
+    match ptrace::event_of(tid) {
+        Some(
+            libc::PTRACE_EVENT_CLONE
+            | libc::PTRACE_EVENT_FORK
+            | libc::PTRACE_EVENT_EXEC
+            | libc::PTRACE_EVENT_VFORK_DONE,
+        ) => {}
+        Some(libc::PTRACE_EVENT_VFORK) => return Err(InjectError::InVfork),
+        Some(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone(None)),
+        _ => return Ok(()),
+    }
+    ptrace::single_step(tid)?;
+    match wait_step(tid)? {
+        Some(Stop::Signal(libc::SIGTRAP)) => Ok(()),
+        Some(Stop::Signal(sig)) => {
+            signals.push(sig);
+            Ok(())
+        }
+        Some(stop @ (Stop::Exited(_) | Stop::Killed { .. })) => Err(InjectError::Gone(Some(stop))),
+        Some(Stop::Event(libc::PTRACE_EVENT_EXIT)) => Err(InjectError::Gone(None)),
+        Some(_) => Ok(()),
+        None => {
+            let _ = ptrace::interrupt(tid);
+            match wait_step(tid)? {
+                Some(_) => Err(InjectError::Timeout),
+                None => Err(InjectError::Stuck),
+            }
+        }
+    }
+}
+
+/// The next stop of a thread memptrace stepped, within [`STEP_PATIENCE`].
+fn wait_step(tid: Tid) -> Result<Option<Stop>, InjectError> {
+    Ok(ptrace::wait_tid_until(tid, Instant::now() + STEP_PATIENCE)?)
 }
 
 /// Make `len` bytes of memory shared between the process of the stopped
@@ -123,7 +203,10 @@ pub fn shared_memory(
                 0,
             ],
         )?;
-        let local = shared::take_fd(pid, fd as i32)
+        // The descriptor is in the table of the process whose thread made
+        // it (a vfork child running the calls for its parent has its own).
+        let owner = crate::os::procfs::tgid(tid).unwrap_or(pid);
+        let local = shared::take_fd(owner, fd as i32)
             .and_then(|owned| SharedMemory::map(&owned, len as usize));
         match local {
             Ok(mem) => Ok((remote, mem)),

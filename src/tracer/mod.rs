@@ -134,6 +134,9 @@ pub struct TraceStats {
     /// How each allocator function was hooked: (`<image>:<function>`,
     /// `jump` or `int3` and why).
     pub probes: Vec<(String, String)>,
+    /// What a detach could not finish (a thread that never stopped to be
+    /// let go): memptrace then exits non-zero and says so.
+    pub detach_left: Vec<String>,
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
@@ -167,6 +170,11 @@ pub enum TraceError {
 /// that does not stop in that time (uninterruptible sleep, a frozen cgroup)
 /// is not waited for forever.
 const PATIENCE: Duration = Duration::from_secs(2);
+
+/// How long a detach keeps asking a thread that has not stopped (in the
+/// kernel: a vfork parent, uninterruptible sleep) before it says what it
+/// left, unless memptrace is told to stop once more.
+const DETACH_PATIENCE: Duration = Duration::from_secs(10);
 
 /// How the trace is going: its root, how it ends, and what ends it.
 struct Control {

@@ -78,6 +78,13 @@ impl Stops {
         self.served.remove(&tid);
     }
 
+    /// Take the stop of thread `tid` already taken from the kernel, if any
+    /// (a wait for that thread alone would not see it).
+    pub fn take_of(&mut self, tid: Tid) -> Option<Stop> {
+        let at = self.ready.iter().position(|&(t, _)| t == tid)?;
+        self.ready.remove(at).map(|(_, stop)| stop)
+    }
+
     fn take(&mut self) -> Option<(Tid, Stop)> {
         let (tid, stop) = self.ready.pop_front()?;
         self.turn += 1;
@@ -130,5 +137,16 @@ mod tests {
         stops.queue(vec![(2, trap), (9, trap)]);
         let order: Vec<Tid> = std::iter::from_fn(|| stops.take().map(|(t, _)| t)).collect();
         assert_eq!(order, [1, 9, 2]);
+    }
+
+    #[test]
+    fn a_stop_of_one_thread_is_taken_out_of_turn() {
+        let mut stops = Stops::default();
+        let trap = Stop::Signal(libc::SIGTRAP);
+        stops.queue(vec![(1, trap), (2, Stop::Exited(3)), (3, trap)]);
+        assert_eq!(stops.take_of(2), Some(Stop::Exited(3)));
+        assert_eq!(stops.take_of(2), None);
+        let order: Vec<Tid> = std::iter::from_fn(|| stops.take().map(|(t, _)| t)).collect();
+        assert_eq!(order, [1, 3]);
     }
 }

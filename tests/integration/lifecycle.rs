@@ -1,0 +1,106 @@
+//! Attach and detach while the process makes threads and processes without
+//! pause (tracee-tests/spawner.c): pthread_create (clone3, then clone), raw
+//! clone3 and clone, fork, and vfork + exec. Every cycle must leave it
+//! unharmed: each start routine run once, each clone returning the id of
+//! the thread it made, each child ending as it should, no block damaged, no
+//! byte or page of memptrace's left, and memptrace's own exit status 0.
+//! Cycles end in turn by `--duration`, Ctrl-C and SIGTERM.
+
+use crate::attach::trampoline_pages;
+use crate::support::{Background, Variant, count_events, memptrace, proc_status, scratch, tracee};
+
+/// How a cycle is ended.
+#[derive(Clone, Copy, Debug)]
+enum End {
+    Duration,
+    Interrupt,
+    Terminate,
+}
+
+fn cycles(variant: Variant, how: &str, count: usize) {
+    let mut spawner =
+        Background::start(std::process::Command::new(tracee(variant, "spawner")).arg(how));
+    let pid: i32 = spawner.wait_for("ready").parse().unwrap();
+    let dir = scratch(&format!("lifecycle-{how}"));
+    let ends = [End::Duration, End::Interrupt, End::Terminate];
+    for cycle in 0..count {
+        let end = ends[cycle % ends.len()];
+        let db = dir.join(format!("{how}-{cycle}.db"));
+        let mut cmd = memptrace();
+        cmd.args(["attach", &pid.to_string(), "-o"]).arg(&db);
+        if let End::Duration = end {
+            cmd.args(["--duration", "1"]);
+        }
+        let tracer = Background::start(&mut cmd);
+        match end {
+            End::Duration => {}
+            // Once calls are committed: the attach is over, the probes live.
+            End::Interrupt | End::Terminate => {
+                crate::support::wait_until("calls committed", || {
+                    count_events(&db).is_some_and(|n| n > 0)
+                });
+                let sig = match end {
+                    End::Interrupt => libc::SIGINT,
+                    _ => libc::SIGTERM,
+                };
+                tracer.signal(sig);
+            }
+        }
+        let out = tracer.finish();
+        assert_eq!(
+            out.code(),
+            0,
+            "{how} cycle {cycle} ({end:?}): {}",
+            out.stderr
+        );
+        assert_eq!(out.stderr, "", "{how} cycle {cycle} ({end:?})");
+        assert_eq!(
+            proc_status(pid, "TracerPid").as_deref(),
+            Some("0"),
+            "{how} cycle {cycle}"
+        );
+        assert_eq!(
+            trampoline_pages(pid),
+            Vec::<String>::new(),
+            "{how} cycle {cycle}"
+        );
+    }
+    spawner.signal(libc::SIGTERM);
+    let out = spawner.finish();
+    assert_eq!(out.stderr, "", "the spawner found damage");
+    assert!(out.stdout.contains("\n0 damaged\n"), "{}", out.stdout);
+    assert_eq!(out.code(), 0, "{}", out.stdout);
+}
+
+#[test]
+fn attach_cycles_while_pthreads_come_and_go() {
+    cycles(Variant::Dynamic, "pthread", 21);
+}
+
+#[test]
+fn attach_cycles_while_raw_clone3_makes_threads() {
+    cycles(Variant::Dynamic, "clone3", 21);
+}
+
+#[test]
+fn attach_cycles_while_raw_clone_makes_threads() {
+    cycles(Variant::Static, "clone", 9);
+}
+
+#[test]
+fn attach_cycles_while_the_process_forks() {
+    cycles(Variant::Dynamic, "fork", 21);
+}
+
+#[test]
+fn attach_cycles_while_the_process_vforks_and_execs() {
+    cycles(Variant::Dynamic, "vfork", 21);
+}
+
+#[test]
+fn attach_cycles_on_static_and_musl_builds() {
+    cycles(Variant::Static, "pthread", 6);
+    cycles(Variant::Musl, "pthread", 6);
+    cycles(Variant::Static, "vfork", 6);
+    cycles(Variant::Musl, "clone3", 6);
+}
