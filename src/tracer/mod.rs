@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod failure;
 mod heapmaps;
 mod images;
 mod inject;
@@ -101,6 +102,8 @@ pub enum Ending {
     Killed { sig: i32, core: bool },
     /// memptrace stopped tracing and detached; the program runs on.
     Detached { reason: String },
+    /// memptrace failed (a panic): it let the program go as it could.
+    Failed { reason: String },
 }
 
 /// Counters the progress line reads while the trace runs.
@@ -137,6 +140,41 @@ pub struct TraceStats {
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
+    /// Damage the program did to the memory it shares with memptrace (jump
+    /// probes): records refused, slots whose words were implausible, slots
+    /// no longer read, and the first damage seen, for the warning.
+    pub damaged_records: u64,
+    pub damaged_slots: u64,
+    pub dropped_slots: u64,
+    pub first_damage: Option<String>,
+}
+
+impl TraceStats {
+    /// Add the damage found in a control area.
+    fn add_damage(&mut self, d: &probes::jump::control::Damaged) {
+        self.damaged_records = self.damaged_records.saturating_add(d.records);
+        self.damaged_slots = self.damaged_slots.saturating_add(d.slots);
+        self.dropped_slots = self.dropped_slots.saturating_add(d.dropped);
+        if self.first_damage.is_none() {
+            self.first_damage.clone_from(&d.first);
+        }
+    }
+
+    /// The warning a damaged trace gets, if it is damaged.
+    pub fn damage_warning(&self) -> Option<String> {
+        if self.damaged_records == 0 && self.damaged_slots == 0 && self.dropped_slots == 0 {
+            return None;
+        }
+        Some(format!(
+            "the trace is damaged: the program wrote over the memory it shares with memptrace \
+             ({} records refused, {} slot words implausible, {} threads' slots no longer read; \
+             first: {}); calls it made may be missing",
+            self.damaged_records,
+            self.damaged_slots,
+            self.dropped_slots,
+            self.first_damage.as_deref().unwrap_or("unknown"),
+        ))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -283,23 +321,40 @@ impl Tracer {
     /// Trace until the program exits or memptrace is told to stop; then hand
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
-        let ending = self.wait_loop();
-        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
-        for pid in pids {
-            self.warn_if_unhooked(pid);
-        }
-        if ending.is_err() && !self.family.threads.is_empty() {
-            // Whatever went wrong, the program is not left with memptrace's
-            // bytes in it (nor killed by memptrace's exit): let it go.
-            let _ = self.detach_all();
-        }
-        self.settle_all(false);
-        self.drain_rings(true);
-        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
-        for pid in pids {
-            self.count_probes(pid);
-        }
-        let flushed = self.flush();
+        failure::install_hook();
+        let ending = failure::catch(|| self.wait_loop()).unwrap_or_else(|panic| {
+            Ok(Ending::Failed {
+                reason: format!("memptrace failed: {panic}"),
+            })
+        });
+        let failed = matches!(ending, Err(_) | Ok(Ending::Failed { .. }));
+        let ended = failure::catch(|| {
+            let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+            for pid in pids {
+                self.warn_if_unhooked(pid);
+            }
+            if failed && !self.family.threads.is_empty() {
+                // Whatever went wrong, the program is not left with memptrace's
+                // bytes in it (nor killed by memptrace's exit): let it go.
+                let _ = self.detach_all();
+            }
+            self.settle_all(false);
+            self.drain_rings(true);
+            let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+            for pid in pids {
+                self.count_probes(pid);
+            }
+            self.flush()
+        });
+        let (ending, flushed) = match ended {
+            Ok(flushed) => (ending, flushed),
+            Err(panic) => (
+                Ok(Ending::Failed {
+                    reason: format!("memptrace failed: {panic}"),
+                }),
+                Ok(()),
+            ),
+        };
         let ending = ending?;
         flushed?;
         let stats = std::mem::take(&mut self.stats);

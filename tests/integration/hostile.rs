@@ -1,0 +1,114 @@
+//! A program that writes over the memory it shares with memptrace
+//! (`tracee-tests/scribble.c`, issue 18): whatever it writes, memptrace
+//! neither panics nor hangs, passes the program's exit status on, ends the
+//! trace with its end rows, refuses what no probe could have recorded,
+//! counts the damage in `meta` and says so, and `memptrace report` reads
+//! the trace. With int3 probes there is no shared memory: the program finds
+//! none and runs as any other.
+
+use crate::support::{Trace, Variant, memptrace, probes, run, trace, trace_program, tracee};
+
+/// Every way scribble.c damages its slot, and whether the damage is to
+/// records (or only to the slot's words).
+const MODES: [(&str, bool); 7] = [
+    ("random", true),
+    ("size65", true),
+    ("ffff", true),
+    ("head", false),
+    ("counters", false),
+    ("seqs", true),
+    ("garbage", true),
+];
+
+fn meta_count(t: &Trace, key: &str) -> u64 {
+    t.meta(key)
+        .unwrap_or_else(|| panic!("meta has no {key}"))
+        .parse()
+        .unwrap_or_else(|e| panic!("meta {key}: {e}"))
+}
+
+#[test]
+fn a_program_scribbling_on_its_shared_memory() {
+    let jump = probes() == "jump";
+    for variant in [Variant::Dynamic, Variant::Musl] {
+        for (mode, records) in MODES {
+            let what = format!("{variant:?} {mode}");
+            if !jump {
+                // No shared memory to damage: a trace like any other.
+                let t = trace(variant, "scribble", &[mode], &[]);
+                assert_eq!(t.run.code(), 0, "{what}");
+                assert!(t.run.stdout.starts_with("no control area\n"), "{what}");
+                t.assert_truth();
+                continue;
+            }
+            let t = trace_program(&tracee(variant, "scribble"), &[mode], &[]);
+            assert_eq!(t.run.code(), 0, "{what}: {}", t.run.stderr);
+            assert!(
+                t.run.stdout.starts_with(&format!("scribbled {mode}\n")),
+                "{what}: {}",
+                t.run.stdout
+            );
+            assert!(t.meta("ended_at").is_some(), "{what}");
+            assert_eq!(
+                t.meta("end_reason").as_deref(),
+                Some("exited with status 0"),
+                "{what}"
+            );
+            let damaged_records = meta_count(&t, "damaged_records");
+            let damaged_slots = meta_count(&t, "damaged_slots");
+            if records {
+                assert!(damaged_records > 0, "{what}: {}", t.run.stderr);
+            } else {
+                assert!(damaged_slots > 0, "{what}: {}", t.run.stderr);
+            }
+            // The slot words the program can write add nothing implausible.
+            for key in [
+                "nested_calls",
+                "lost_returns",
+                "ring_waits",
+                "skipped_records",
+            ] {
+                assert!(meta_count(&t, key) < 1 << 40, "{what}: {key}");
+            }
+            // Said once, on stderr, and kept as a warning.
+            assert_eq!(
+                t.run.stderr.matches("the trace is damaged").count(),
+                1,
+                "{what}: {}",
+                t.run.stderr
+            );
+            assert_eq!(
+                t.int("SELECT count(*) FROM meta WHERE key LIKE 'warning.%' AND value LIKE 'the trace is damaged%'"),
+                1,
+                "{what}"
+            );
+            // Only what a probe can record, and only within the trace.
+            let ops = t.int(
+                "SELECT count(*) FROM events WHERE op NOT IN ('malloc', 'calloc', 'realloc',
+                 'free', 'posix_memalign', 'aligned_alloc', 'memalign', 'valloc', 'pvalloc',
+                 'reallocarray')",
+            );
+            assert_eq!(ops, 0, "{what}: ops no probe records");
+            let duration = meta_count(&t, "duration_ns");
+            let outside = t.int(&format!(
+                "SELECT count(*) FROM events WHERE ts_ns < 0 OR ts_ns > {duration}"
+            ));
+            assert_eq!(outside, 0, "{what}: events stamped outside the trace");
+            // The calls after the damage are recorded (the slot was not
+            // dropped: one damage only).
+            assert_eq!(meta_count(&t, "dropped_slots"), 0, "{what}");
+            let after = t.int(
+                "SELECT count(*) FROM events e JOIN stacks s ON s.id = e.stack_id
+                 JOIN frames f ON f.id = s.frame_id WHERE f.function = 'scribble_after'",
+            );
+            assert_eq!(after, 2000, "{what}");
+            let report = run(memptrace().arg("report").arg(&t.path), b"");
+            assert_eq!(report.code(), 0, "{what}: {}", report.stderr);
+            assert!(
+                report.stdout.contains("damaged"),
+                "{what}: {}",
+                report.stdout
+            );
+        }
+    }
+}
