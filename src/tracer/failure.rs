@@ -49,6 +49,21 @@ pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+/// Debug builds only, for the tests of this path: panic once `events`
+/// reaches `MEMPTRACE_PANIC_AFTER` (an event count), if it is set.
+pub fn panic_if_asked(events: u64) {
+    #[cfg(debug_assertions)]
+    {
+        static AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+        let after = AFTER.get_or_init(|| std::env::var("MEMPTRACE_PANIC_AFTER").ok()?.parse().ok());
+        if after.is_some_and(|n| events >= n) {
+            panic!("MEMPTRACE_PANIC_AFTER: {events} events");
+        }
+    }
+    #[cfg(not(debug_assertions))]
+    let _ = events;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

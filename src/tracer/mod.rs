@@ -371,6 +371,7 @@ impl Tracer {
                 break;
             }
             if self.ticked() {
+                failure::panic_if_asked(self.ledger.events());
                 if let Some(clock) = self.tsc.as_mut() {
                     clock.refine(
                         self.clock.elapsed().as_nanos() as u64,

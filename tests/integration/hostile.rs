@@ -6,7 +6,12 @@
 //! the trace. With int3 probes there is no shared memory: the program finds
 //! none and runs as any other.
 
-use crate::support::{Trace, Variant, memptrace, probes, run, trace, trace_program, tracee};
+use std::process::Command;
+
+use crate::support::{
+    Background, Trace, Variant, memptrace, open_trace, probes, run, scratch, trace, trace_program,
+    tracee,
+};
 
 /// Every way scribble.c damages its slot, and whether the damage is to
 /// records (or only to the slot's words).
@@ -111,4 +116,48 @@ fn a_program_scribbling_on_its_shared_memory() {
             );
         }
     }
+}
+
+/// A panic of memptrace's tracer thread (asked for by the debug build's
+/// `MEMPTRACE_PANIC_AFTER`) while attached: the process is let go and runs
+/// on unharmed, and the trace still ends with its end rows, saying where
+/// memptrace failed; memptrace exits 101, as a Rust program that panics.
+#[test]
+fn a_panic_of_memptrace_lets_the_process_go_and_ends_the_trace() {
+    let mut victim = Background::start(Command::new(tracee(Variant::Dynamic, "victim")).arg("2"));
+    let pid: i32 = victim.wait_for("ready").parse().unwrap();
+    let db = scratch("panic").join("trace.db");
+    let tracer = Background::start(
+        memptrace()
+            .env("MEMPTRACE_PANIC_AFTER", "1000")
+            .args(["attach", &pid.to_string(), "-o"])
+            .arg(&db),
+    );
+    let run = tracer.finish();
+    assert_eq!(run.code(), 101, "{}", run.stderr);
+    assert!(
+        run.stderr.contains("MEMPTRACE_PANIC_AFTER"),
+        "{}",
+        run.stderr
+    );
+    let t = open_trace(&db, run);
+    assert!(t.meta("ended_at").is_some());
+    let reason = t.meta("end_reason").unwrap();
+    assert!(
+        reason.starts_with("memptrace failed: panicked at src/tracer/failure.rs:")
+            && reason.contains("MEMPTRACE_PANIC_AFTER"),
+        "{reason}"
+    );
+    assert_eq!(t.meta("exit_status").as_deref(), Some("101"));
+    assert!(t.int("SELECT count(*) FROM events") >= 1000);
+    // Let go: no tracer, no trampoline left, and it checks itself.
+    assert_eq!(
+        crate::support::proc_status(pid, "TracerPid").as_deref(),
+        Some("0")
+    );
+    assert_eq!(crate::attach::trampoline_pages(pid), Vec::<String>::new());
+    victim.signal(libc::SIGTERM);
+    let out = victim.finish();
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    assert_eq!(out.stderr, "", "the victim found damage");
 }
