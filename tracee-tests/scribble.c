@@ -10,6 +10,8 @@
  *             of its ring, which it then commits (head += 4096)
  *   size65    a record of size 65 committed (the head left unaligned)
  *   ffff      a record whose size and frame fields are 0xffff
+ *   again     a record of size 65, ten times over
+ *   counter   the area's sequence counter set to a random number
  *   head      its ring's head pushed 2^40 bytes ahead
  *   counters  its nested, abandoned and wait counters set to 2^64-1
  *   seqs      copies of its last malloc record numbered 5, 3, 3, 2^64-2
@@ -166,6 +168,16 @@ static int scribble(const char *mode, unsigned char *area, unsigned char *slot)
         commit(slot, 4096);
     } else if (!strcmp(mode, "size65")) {
         header_record(slot, ring, 65 | (uint64_t)0 << 40, 65);
+    } else if (!strcmp(mode, "again")) {
+        /* Ten bad records, each once memptrace has read past the one
+         * before: the slot is dropped after the eighth. */
+        for (int i = 0; i < 10; i++) {
+            header_record(slot, ring, 65, 65);
+            while (*word(slot + TAIL) != *word(slot + HEAD))
+                usleep(1000);
+        }
+    } else if (!strcmp(mode, "counter")) {
+        *word(area + AREA_SEQ) = next_random();
     } else if (!strcmp(mode, "ffff")) {
         header_record(slot, ring, 0xffff | 0xfffful << 16, RECORD_HEADER);
     } else if (!strcmp(mode, "head")) {

@@ -151,7 +151,14 @@ impl Tracer {
         if read > 0 {
             pulled.records.sort_unstable_by_key(|r| r.seq);
         }
-        control.damaged.records += decode::screen_seqs(&mut pulled.records, merge.next);
+        let screened = decode::screen_seqs(&mut pulled.records, merge.next);
+        if screened > 0 {
+            control.damaged.records += screened;
+            let next = merge.next;
+            control.damaged.note(|| {
+                format!("{screened} records numbered far past the next number {next}, or twice")
+            });
+        }
         let damaged = std::mem::take(&mut control.damaged);
         // Every gap is skipped once the threads stand still; else one, once
         // it has waited long enough.

@@ -119,7 +119,7 @@ pub struct Damaged {
 }
 
 impl Damaged {
-    fn note(&mut self, what: impl FnOnce() -> String) {
+    pub fn note(&mut self, what: impl FnOnce() -> String) {
         if self.first.is_none() {
             self.first = Some(what());
         }
