@@ -154,6 +154,26 @@ impl SharedMemory {
         true
     }
 
+    /// Copy out `out.len()` little-endian words at `offset`, aligned or not
+    /// (memory the target finished writing); false, copying nothing, when
+    /// they are not all in the mapping.
+    #[must_use]
+    pub fn read_words(&self, offset: u64, out: &mut [u64]) -> bool {
+        let Some(len) = out.len().checked_mul(8) else {
+            return false;
+        };
+        let Some(offset) = self.range(offset, len) else {
+            return false;
+        };
+        // SAFETY: in bounds (checked); copied byte by byte into `out`'s
+        // `len` bytes, so no alignment is needed on either side; x86-64 is
+        // little-endian, as the words are.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr().cast::<u8>(), len)
+        }
+        true
+    }
+
     /// Append `len` bytes at `offset` to `out` (memory the target finished
     /// writing); false, appending nothing, when they are not all in the
     /// mapping.
@@ -263,6 +283,10 @@ mod tests {
         assert_eq!(m.load(8), 7);
         let mut odd = [0u8; 5];
         assert!(m.read(3, &mut odd));
+        let mut words = [0u64; 2];
+        assert!(m.read_words(1, &mut words));
+        assert_eq!(words[0], 7 << 56);
+        assert!(!m.read_words(4088, &mut words));
         let mut whole = vec![0u8; 4096];
         assert!(m.read(0, &mut whole));
         assert!(!m.read(1, &mut whole));

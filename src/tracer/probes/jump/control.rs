@@ -467,4 +467,11 @@ impl decode::RingBytes for RingOf<'_> {
             .is_some_and(|end| end <= layout::RING_STRIDE);
         in_stride && self.mem.read(self.at + at, buf)
     }
+
+    fn copy_words(&self, at: u64, out: &mut [u64]) -> bool {
+        let in_stride = at
+            .checked_add(8 * out.len() as u64)
+            .is_some_and(|end| end <= layout::RING_STRIDE);
+        in_stride && self.mem.read_words(self.at + at, out)
+    }
 }

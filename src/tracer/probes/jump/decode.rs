@@ -44,6 +44,19 @@ pub trait RingBytes {
     /// Copy `buf.len()` bytes at `at` from the ring's start; false (and
     /// nothing copied) when they are not all in the ring's stride.
     fn copy_at(&self, at: u64, buf: &mut [u8]) -> bool;
+
+    /// Copy `out.len()` little-endian words at `at` (any alignment), as
+    /// [`RingBytes::copy_at`] does bytes.
+    fn copy_words(&self, at: u64, out: &mut [u64]) -> bool {
+        let mut word = [0u8; 8];
+        for (i, w) in out.iter_mut().enumerate() {
+            if !self.copy_at(at + 8 * i as u64, &mut word) {
+                return false;
+            }
+            *w = u64::from_le_bytes(word);
+        }
+        true
+    }
 }
 
 impl RingBytes for [u8] {
@@ -222,17 +235,12 @@ fn read_record<R: RingBytes + ?Sized>(
     if let Some(before) = before.filter(|&b| seq <= b) {
         return Err(Damage::SeqOrder { seq, before });
     }
-    let mut frame_bytes = [0u8; (layout::MAX_FRAMES * 8) as usize];
-    let frame_bytes = &mut frame_bytes[..(header.frames * 8) as usize];
-    if !ring.copy_at(at + record::FRAMES, frame_bytes) {
+    let start = out.frames.len();
+    out.frames.resize(start + header.frames as usize, 0);
+    if !ring.copy_words(at + record::FRAMES, &mut out.frames[start..]) {
+        out.frames.truncate(start);
         return Err(Damage::Unreadable(at + record::FRAMES));
     }
-    let start = out.frames.len();
-    out.frames.extend(
-        frame_bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])),
-    );
     out.records.push(Record {
         seq,
         tsc: word(record::TSC),
