@@ -368,9 +368,9 @@ impl Recording {
             ("walk_faults", stats.walk_faults.to_string()),
             ("ring_waits", stats.ring_waits.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
-            ("damaged_records", stats.damaged_records.to_string()),
-            ("damaged_slots", stats.damaged_slots.to_string()),
-            ("dropped_slots", stats.dropped_slots.to_string()),
+            ("damaged_records", stats.damaged.records.to_string()),
+            ("damaged_slots", stats.damaged.slots.to_string()),
+            ("dropped_slots", stats.damaged.dropped.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {
@@ -390,7 +390,7 @@ impl Recording {
                 .push("no allocator function found in any image; nothing was recorded".to_string());
         }
         warnings.extend(stats.warnings.iter().cloned());
-        warnings.extend(stats.damage_warning());
+        warnings.extend(stats.damaged.warning());
         for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }

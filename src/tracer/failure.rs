@@ -11,6 +11,8 @@ use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
+use super::{Ending, TraceError};
+
 thread_local! {
     /// The last panic's text on this thread, as the hook saw it (the hook
     /// runs on the panicking thread, as [`catch`] does).
@@ -46,6 +48,13 @@ pub fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
             .unwrap_or_else(|| "a panic".to_string());
         let place = LAST.try_with(|last| last.take()).ok().flatten();
         place.unwrap_or(message)
+    })
+}
+
+/// The ending of a trace whose tracer thread panicked with `panic`.
+pub fn ending(panic: String) -> Result<Ending, TraceError> {
+    Ok(Ending::Failed {
+        reason: format!("memptrace failed: {panic}"),
     })
 }
 

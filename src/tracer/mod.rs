@@ -140,41 +140,8 @@ pub struct TraceStats {
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
-    /// Damage the program did to the memory it shares with memptrace (jump
-    /// probes): records refused, slots whose words were implausible, slots
-    /// no longer read, and the first damage seen, for the warning.
-    pub damaged_records: u64,
-    pub damaged_slots: u64,
-    pub dropped_slots: u64,
-    pub first_damage: Option<String>,
-}
-
-impl TraceStats {
-    /// Add the damage found in a control area.
-    fn add_damage(&mut self, d: &probes::jump::control::Damaged) {
-        self.damaged_records = self.damaged_records.saturating_add(d.records);
-        self.damaged_slots = self.damaged_slots.saturating_add(d.slots);
-        self.dropped_slots = self.dropped_slots.saturating_add(d.dropped);
-        if self.first_damage.is_none() {
-            self.first_damage.clone_from(&d.first);
-        }
-    }
-
-    /// The warning a damaged trace gets, if it is damaged.
-    pub fn damage_warning(&self) -> Option<String> {
-        if self.damaged_records == 0 && self.damaged_slots == 0 && self.dropped_slots == 0 {
-            return None;
-        }
-        Some(format!(
-            "the trace is damaged: the program wrote over the memory it shares with memptrace \
-             ({} records refused, {} slot words implausible, {} threads' slots no longer read; \
-             first: {}); calls it made may be missing",
-            self.damaged_records,
-            self.damaged_slots,
-            self.dropped_slots,
-            self.first_damage.as_deref().unwrap_or("unknown"),
-        ))
-    }
+    /// Damage the program did to the memory it shares with memptrace.
+    pub damaged: probes::jump::control::Damaged,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -322,43 +289,36 @@ impl Tracer {
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
         failure::install_hook();
-        let ending = failure::catch(|| self.wait_loop()).unwrap_or_else(|panic| {
-            Ok(Ending::Failed {
-                reason: format!("memptrace failed: {panic}"),
-            })
-        });
+        let ending = failure::catch(|| self.wait_loop()).unwrap_or_else(failure::ending);
         let failed = matches!(ending, Err(_) | Ok(Ending::Failed { .. }));
-        let ended = failure::catch(|| {
-            let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
-            for pid in pids {
-                self.warn_if_unhooked(pid);
-            }
-            if failed && !self.family.threads.is_empty() {
-                // Whatever went wrong, the program is not left with memptrace's
-                // bytes in it (nor killed by memptrace's exit): let it go.
-                let _ = self.detach_all();
-            }
-            self.settle_all(false);
-            self.drain_rings(true);
-            let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
-            for pid in pids {
-                self.count_probes(pid);
-            }
-            self.flush()
-        });
-        let (ending, flushed) = match ended {
+        let (ending, flushed) = match failure::catch(|| self.wind_up(failed)) {
             Ok(flushed) => (ending, flushed),
-            Err(panic) => (
-                Ok(Ending::Failed {
-                    reason: format!("memptrace failed: {panic}"),
-                }),
-                Ok(()),
-            ),
+            Err(panic) => (failure::ending(panic), Ok(())),
         };
         let ending = ending?;
         flushed?;
         let stats = std::mem::take(&mut self.stats);
         Ok((ending, stats, self.out.into_pipeline()))
+    }
+
+    /// After the wait loop, however it ended (`failed`: let the program go).
+    fn wind_up(&mut self, failed: bool) -> Result<(), TraceError> {
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.warn_if_unhooked(pid);
+        }
+        if failed && !self.family.threads.is_empty() {
+            // Whatever went wrong, the program is not left with memptrace's
+            // bytes in it (nor killed by memptrace's exit): let it go.
+            let _ = self.detach_all();
+        }
+        self.settle_all(false);
+        self.drain_rings(true);
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.count_probes(pid);
+        }
+        self.flush()
     }
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {

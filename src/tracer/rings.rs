@@ -183,7 +183,7 @@ impl Tracer {
             .extend_from(&pulled, &pulled.records[order.take..]);
         pulled.records.truncate(order.take);
         self.stats.skipped_records = self.stats.skipped_records.saturating_add(order.skipped);
-        self.stats.add_damage(&damaged);
+        self.stats.damaged.add(&damaged);
         // Every record read was committed before now.
         let now_ns = self.now_ns();
         for record in &pulled.records {
@@ -228,7 +228,7 @@ impl Tracer {
             Some(clock) => match clock.ns_within(r.tsc, now_ns) {
                 Some(ns) => ns,
                 None => {
-                    self.stats.add_damage(&Damaged {
+                    self.stats.damaged.add(&Damaged {
                         records: 1,
                         first: Some(format!(
                             "thread {}: a record stamped outside the trace (counter {})",
@@ -320,7 +320,7 @@ impl Tracer {
             stats.ring_waits = stats
                 .ring_waits
                 .saturating_add(c.waits.saturating_add(waits));
-            stats.add_damage(&damaged);
+            stats.damaged.add(&damaged);
         }
     }
 }

@@ -119,6 +119,32 @@ pub struct Damaged {
 }
 
 impl Damaged {
+    /// Add the damage found in another area.
+    pub fn add(&mut self, d: &Damaged) {
+        self.records = self.records.saturating_add(d.records);
+        self.slots = self.slots.saturating_add(d.slots);
+        self.dropped = self.dropped.saturating_add(d.dropped);
+        if self.first.is_none() {
+            self.first.clone_from(&d.first);
+        }
+    }
+
+    /// The warning a damaged trace gets, if it is damaged.
+    pub fn warning(&self) -> Option<String> {
+        if self.records == 0 && self.slots == 0 && self.dropped == 0 {
+            return None;
+        }
+        Some(format!(
+            "the trace is damaged: the program wrote over the memory it shares with memptrace \
+             ({} records refused, {} slot words implausible, {} threads' slots no longer read; \
+             first: {}); calls it made may be missing",
+            self.records,
+            self.slots,
+            self.dropped,
+            self.first.as_deref().unwrap_or("unknown"),
+        ))
+    }
+
     pub fn note(&mut self, what: impl FnOnce() -> String) {
         if self.first.is_none() {
             self.first = Some(what());
