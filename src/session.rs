@@ -370,6 +370,9 @@ impl Recording {
             ("walk_faults", stats.walk_faults.to_string()),
             ("ring_waits", stats.ring_waits.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
+            ("damaged_records", stats.damaged.records.to_string()),
+            ("damaged_slots", stats.damaged.slots.to_string()),
+            ("dropped_slots", stats.damaged.dropped.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {
@@ -389,6 +392,7 @@ impl Recording {
                 .push("no allocator function found in any image; nothing was recorded".to_string());
         }
         warnings.extend(stats.warnings.iter().cloned());
+        warnings.extend(stats.damaged.warning());
         for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }
@@ -531,6 +535,8 @@ pub fn exit_status(ending: &Ending) -> i32 {
         Ending::Exited(code) => *code,
         Ending::Killed { sig, .. } => 128 + sig,
         Ending::Detached { .. } => 128 + signals::terminate_signal().unwrap_or(libc::SIGINT),
+        // As a Rust program that panics.
+        Ending::Failed { .. } => 101,
     }
 }
 
@@ -543,6 +549,7 @@ fn end_reason(ending: &Ending) -> String {
             if *core { " (core dumped)" } else { "" }
         ),
         Ending::Detached { reason } => format!("detached: {reason}"),
+        Ending::Failed { reason } => reason.clone(),
     }
 }
 

@@ -90,67 +90,97 @@ impl SharedMemory {
         self.len == 0
     }
 
-    fn word(&self, offset: u64) -> &AtomicU64 {
-        let offset = offset as usize;
-        assert!(offset % 8 == 0 && offset + 8 <= self.len, "{offset:#x}");
+    /// The word at `offset`: `None` when it is not an aligned word of the
+    /// mapping (an offset is never trusted to be one).
+    fn word(&self, offset: u64) -> Option<&AtomicU64> {
+        let offset = usize::try_from(offset).ok()?;
+        if offset % 8 != 0 || offset.checked_add(8)? > self.len {
+            return None;
+        }
         // SAFETY: in bounds and aligned (checked); AtomicU64 has the layout
         // of u64, and the other side writes the word with one store.
-        unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+        Some(unsafe { &*(self.ptr.add(offset) as *const AtomicU64) })
     }
 
-    /// The word at `offset`, with everything the writer stored before it.
+    /// The byte range `offset..offset + len` if it lies in the mapping.
+    fn range(&self, offset: u64, len: usize) -> Option<usize> {
+        let offset = usize::try_from(offset).ok()?;
+        (offset.checked_add(len)? <= self.len).then_some(offset)
+    }
+
+    /// The word at `offset`, with everything the writer stored before it;
+    /// 0 for an offset that is not an aligned word of the mapping.
     pub fn load(&self, offset: u64) -> u64 {
-        self.word(offset).load(Ordering::Acquire)
+        self.word(offset).map_or(0, |w| w.load(Ordering::Acquire))
     }
 
-    /// Store a word at `offset`, after everything stored before it.
+    /// Store a word at `offset`, after everything stored before it (nothing
+    /// for an offset that is not an aligned word of the mapping).
     pub fn store(&self, offset: u64, value: u64) {
-        self.word(offset).store(value, Ordering::Release)
-    }
-
-    /// Add to the word at `offset` (as the target's `lock xadd` does);
-    /// returns the value before.
-    pub fn fetch_add(&self, offset: u64, value: u64) -> u64 {
-        self.word(offset).fetch_add(value, Ordering::AcqRel)
-    }
-
-    /// Copy `bytes` in at `offset` (memory the target is not using yet).
-    pub fn write(&self, offset: u64, bytes: &[u8]) {
-        let offset = offset as usize;
-        assert!(offset + bytes.len() <= self.len);
-        // SAFETY: in bounds (checked); plain bytes.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(offset), bytes.len()) }
-    }
-
-    /// Copy out `buf.len()` bytes at `offset` (memory the target finished
-    /// writing: a committed record).
-    pub fn read(&self, offset: u64, buf: &mut [u8]) {
-        let offset = offset as usize;
-        assert!(offset + buf.len() <= self.len);
-        // SAFETY: in bounds (checked); plain bytes no one writes now.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), buf.as_mut_ptr(), buf.len()) }
-    }
-
-    /// Copy out `out.len()` words at `offset` (memory the target finished
-    /// writing; x86-64 is little-endian, as the words are).
-    pub fn read_words(&self, offset: u64, out: &mut [u64]) {
-        let offset = offset as usize;
-        assert!(offset % 8 == 0 && offset + 8 * out.len() <= self.len);
-        // SAFETY: in bounds and aligned (checked); plain words.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.add(offset) as *const u64,
-                out.as_mut_ptr(),
-                out.len(),
-            )
+        if let Some(w) = self.word(offset) {
+            w.store(value, Ordering::Release)
         }
     }
 
+    /// Add to the word at `offset` (as the target's `lock xadd` does);
+    /// returns the value before (0, adding nothing, for a bad offset).
+    pub fn fetch_add(&self, offset: u64, value: u64) -> u64 {
+        self.word(offset)
+            .map_or(0, |w| w.fetch_add(value, Ordering::AcqRel))
+    }
+
+    /// Copy `bytes` in at `offset` (memory the target is not using yet);
+    /// false, writing nothing, when they do not fit the mapping.
+    pub fn write(&self, offset: u64, bytes: &[u8]) -> bool {
+        let Some(offset) = self.range(offset, bytes.len()) else {
+            return false;
+        };
+        // SAFETY: in bounds (checked); plain bytes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(offset), bytes.len()) }
+        true
+    }
+
+    /// Copy out `buf.len()` bytes at `offset` (memory the target finished
+    /// writing: a committed record); false, copying nothing, when they are
+    /// not all in the mapping.
+    #[must_use]
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> bool {
+        let Some(offset) = self.range(offset, buf.len()) else {
+            return false;
+        };
+        // SAFETY: in bounds (checked); plain bytes, copied as they are even
+        // if the target writes them meanwhile (they are checked after).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), buf.as_mut_ptr(), buf.len()) }
+        true
+    }
+
+    /// Copy out `out.len()` little-endian words at `offset`, aligned or not
+    /// (memory the target finished writing); false, copying nothing, when
+    /// they are not all in the mapping.
+    #[must_use]
+    pub fn read_words(&self, offset: u64, out: &mut [u64]) -> bool {
+        let Some(len) = out.len().checked_mul(8) else {
+            return false;
+        };
+        let Some(offset) = self.range(offset, len) else {
+            return false;
+        };
+        // SAFETY: in bounds (checked); copied byte by byte into `out`'s
+        // `len` bytes, so no alignment is needed on either side; x86-64 is
+        // little-endian, as the words are.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr().cast::<u8>(), len)
+        }
+        true
+    }
+
     /// Append `len` bytes at `offset` to `out` (memory the target finished
-    /// writing).
-    pub fn copy_out(&self, offset: u64, len: usize, out: &mut Vec<u8>) {
-        let offset = offset as usize;
-        assert!(offset + len <= self.len);
+    /// writing); false, appending nothing, when they are not all in the
+    /// mapping.
+    pub fn copy_out(&self, offset: u64, len: usize, out: &mut Vec<u8>) -> bool {
+        let Some(offset) = self.range(offset, len) else {
+            return false;
+        };
         out.reserve(len);
         // SAFETY: in bounds (checked); `out` has `len` bytes of spare
         // capacity, all written before the length grows.
@@ -162,12 +192,15 @@ impl SharedMemory {
             );
             out.set_len(out.len() + len);
         }
+        true
     }
 
     /// Wake the target's threads waiting on the 32-bit futex word at
     /// `offset` (`futex(2)`, FUTEX_WAKE, not private: the word is shared).
     pub fn wake(&self, offset: u64) {
-        let word = self.word(offset);
+        let Some(word) = self.word(offset) else {
+            return;
+        };
         // SAFETY: FUTEX_WAKE on an address of our mapping; no memory is
         // read or written by the call beyond the futex word's key.
         unsafe {
@@ -213,10 +246,49 @@ mod tests {
         assert_eq!(b.load(4096), 42);
         assert_eq!(b.fetch_add(4096, 1), 42);
         assert_eq!(a.load(4096), 43);
-        b.write(16, b"memptrace");
+        assert!(b.write(16, b"memptrace"));
         let mut buf = [0u8; 9];
-        a.read(16, &mut buf);
+        assert!(a.read(16, &mut buf));
         assert_eq!(&buf, b"memptrace");
         a.wake(4096);
+    }
+
+    #[test]
+    fn bad_offsets_are_refused_not_a_panic() {
+        // SAFETY: memfd_create with a valid name; the descriptor is owned.
+        let fd = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: just created, owned here.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate of our own descriptor.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+        let m = SharedMemory::map(&fd, 4096).unwrap();
+        m.store(8, 7);
+        for bad in [3, 4090, 4096, u64::MAX - 3, u64::MAX] {
+            assert_eq!(m.load(bad), 0);
+            m.store(bad, 1);
+            assert_eq!(m.fetch_add(bad, 1), 0);
+            m.wake(bad);
+        }
+        // Bytes need no alignment, only to be in the mapping.
+        for bad in [4090, 4096, u64::MAX - 3, u64::MAX] {
+            let mut buf = [9u8; 16];
+            assert!(!m.read(bad, &mut buf));
+            assert_eq!(buf, [9u8; 16]);
+            assert!(!m.write(bad, &buf));
+            let mut out = Vec::new();
+            assert!(!m.copy_out(bad, 16, &mut out));
+            assert!(out.is_empty());
+        }
+        assert_eq!(m.load(8), 7);
+        let mut odd = [0u8; 5];
+        assert!(m.read(3, &mut odd));
+        let mut words = [0u64; 2];
+        assert!(m.read_words(1, &mut words));
+        assert_eq!(words[0], 7 << 56);
+        assert!(!m.read_words(4088, &mut words));
+        let mut whole = vec![0u8; 4096];
+        assert!(m.read(0, &mut whole));
+        assert!(!m.read(1, &mut whole));
     }
 }

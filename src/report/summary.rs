@@ -40,6 +40,18 @@ pub struct TraceInfo {
     pub threads: u64,
     /// What memptrace warned about while tracing (`meta` rows `warning.N`).
     pub warnings: Vec<String>,
+    /// Damage the program did to the memory it shares with memptrace
+    /// (`meta` rows `damaged_records`, `damaged_slots`, `dropped_slots`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub damaged_records: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub damaged_slots: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub dropped_slots: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl TraceInfo {
@@ -50,6 +62,10 @@ impl TraceInfo {
                 .query_row(sql, [], |r| r.get::<_, i64>(0))
                 .map(|n| n.max(0) as u64)
                 .map_err(|e| trace.err(e))
+        };
+        // A count in `meta` (0 when absent, or not a count).
+        let number = |key: &str| -> Result<u64, ReportError> {
+            Ok(trace.meta(key)?.and_then(|v| v.parse().ok()).unwrap_or(0))
         };
         Ok(TraceInfo {
             path: trace.path.display().to_string(),
@@ -63,6 +79,9 @@ impl TraceInfo {
             processes: count("SELECT count(DISTINCT pid) FROM event_threads")?,
             threads: count("SELECT count(*) FROM event_threads")?,
             warnings: trace.warnings()?,
+            damaged_records: number("damaged_records")?,
+            damaged_slots: number("damaged_slots")?,
+            dropped_slots: number("dropped_slots")?,
         })
     }
 }

@@ -294,6 +294,20 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     for warning in &t.warnings {
         let _ = writeln!(out, "  {}    {warning}", style.warning("warning"));
     }
+    if [t.damaged_records, t.damaged_slots, t.dropped_slots]
+        .iter()
+        .any(|&n| n > 0)
+    {
+        let _ = writeln!(
+            out,
+            "  {}    {} records refused, {} slot words implausible, {} slots no longer read \
+             (the program wrote over the memory it shares with memptrace)",
+            style.warning("damaged"),
+            count(t.damaged_records),
+            count(t.damaged_slots),
+            count(t.dropped_slots),
+        );
+    }
     // Blocks found live at attach are events, but no call was seen.
     let inventory = summary
         .functions

@@ -110,7 +110,7 @@ impl Ledger {
             match self.live.remove(&(facts.pid, block)) {
                 Some((id, size)) => {
                     event.alloc_id = Some(id);
-                    self.live_bytes -= size;
+                    self.live_bytes = self.live_bytes.wrapping_sub(size);
                 }
                 None => unmatched_release = true,
             }
@@ -119,9 +119,12 @@ impl Ledger {
             let size = event.size.unwrap_or(0);
             if let Some((_, old)) = self.live.insert((facts.pid, event.ptr), (event.id, size)) {
                 // Handed out again without a traced release in between.
-                self.live_bytes -= old;
+                self.live_bytes = self.live_bytes.wrapping_sub(old);
             }
-            self.live_bytes += size;
+            // Sizes come from the program (a record it wrote itself may
+            // claim any): the sum wraps rather than panics, and what is
+            // added is taken away again exactly.
+            self.live_bytes = self.live_bytes.wrapping_add(size);
         }
         Completed {
             event,
@@ -160,11 +163,11 @@ impl Ledger {
         let mut freed = 0;
         self.live.retain(|&(p, _), &mut (_, size)| {
             if p == pid {
-                freed += size;
+                freed = u64::wrapping_add(freed, size);
             }
             p != pid
         });
-        self.live_bytes -= freed;
+        self.live_bytes = self.live_bytes.wrapping_sub(freed);
     }
 }
 

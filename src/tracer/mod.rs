@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod failure;
 mod heapmaps;
 mod images;
 mod inject;
@@ -101,6 +102,8 @@ pub enum Ending {
     Killed { sig: i32, core: bool },
     /// memptrace stopped tracing and detached; the program runs on.
     Detached { reason: String },
+    /// memptrace failed (a panic): it let the program go as it could.
+    Failed { reason: String },
 }
 
 /// Counters the progress line reads while the trace runs.
@@ -140,6 +143,8 @@ pub struct TraceStats {
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
+    /// Damage the program did to the memory it shares with memptrace.
+    pub damaged: probes::jump::control::Damaged,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -291,12 +296,26 @@ impl Tracer {
     /// Trace until the program exits or memptrace is told to stop; then hand
     /// the pipeline everything still batched. Consumes the tracer's pipeline.
     pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
-        let ending = self.wait_loop();
+        failure::install_hook();
+        let ending = failure::catch(|| self.wait_loop()).unwrap_or_else(failure::ending);
+        let failed = matches!(ending, Err(_) | Ok(Ending::Failed { .. }));
+        let (ending, flushed) = match failure::catch(|| self.wind_up(failed)) {
+            Ok(flushed) => (ending, flushed),
+            Err(panic) => (failure::ending(panic), Ok(())),
+        };
+        let ending = ending?;
+        flushed?;
+        let stats = std::mem::take(&mut self.stats);
+        Ok((ending, stats, self.out.into_pipeline()))
+    }
+
+    /// After the wait loop, however it ended (`failed`: let the program go).
+    fn wind_up(&mut self, failed: bool) -> Result<(), TraceError> {
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
         for pid in pids {
             self.warn_if_unhooked(pid);
         }
-        if ending.is_err() && !self.family.threads.is_empty() {
+        if failed && !self.family.threads.is_empty() {
             // Whatever went wrong, the program is not left with memptrace's
             // bytes in it (nor killed by memptrace's exit): let it go.
             let _ = self.detach_all();
@@ -307,11 +326,7 @@ impl Tracer {
         for pid in pids {
             self.count_probes(pid);
         }
-        let flushed = self.flush();
-        let ending = ending?;
-        flushed?;
-        let stats = std::mem::take(&mut self.stats);
-        Ok((ending, stats, self.out.into_pipeline()))
+        self.flush()
     }
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {
@@ -324,6 +339,7 @@ impl Tracer {
                 break;
             }
             if self.ticked() {
+                failure::panic_if_asked(self.ledger.events());
                 if let Some(clock) = self.tsc.as_mut() {
                     clock.refine(
                         self.clock.elapsed().as_nanos() as u64,

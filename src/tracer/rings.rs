@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use super::Tracer;
 use super::ledger::CallFacts;
-use super::probes::jump::control::{Pulled, Record};
+use super::probes::jump::control::{Damaged, Pulled, Record};
+use super::probes::jump::decode;
 use super::probes::jump::layout::record;
 use crate::os::local;
 use crate::os::ptrace::Tid;
@@ -25,6 +26,11 @@ use crate::unwind::WalkEnd;
 
 /// How long records wait for a missing sequence number.
 const GAP_PATIENCE: Duration = Duration::from_millis(500);
+
+/// How far outside the trace a probe's timestamp may seem to lie (the
+/// counter's rate is measured, and the cores' counters may differ a
+/// little) before it is taken as written by the program.
+pub const CLOCK_SLACK: Duration = Duration::from_secs(1);
 
 /// Records of one address space waiting for their turn.
 #[derive(Debug, Default)]
@@ -82,12 +88,21 @@ impl TscClock {
         }
     }
 
-    /// The trace time of counter value `tsc`.
-    pub fn ns(&mut self, tsc: u64) -> u64 {
-        let since = tsc.saturating_sub(self.tsc0) as f64 / self.ticks_per_ns;
-        let ns = (self.ns0 + since as u64).max(self.last_ns);
+    /// The trace time of counter value `tsc`, read by memptrace at trace
+    /// time `now_ns` (or later): never past `now_ns`, nor before the last
+    /// time given. `None` for a value that lies more than [`CLOCK_SLACK`]
+    /// outside the trace: a time the program wrote, not a probe.
+    pub fn ns_within(&mut self, tsc: u64, now_ns: u64) -> Option<u64> {
+        let ticks = i128::from(tsc) - i128::from(self.tsc0);
+        let ns = self.ns0 as f64 + ticks as f64 / self.ticks_per_ns;
+        let slack = CLOCK_SLACK.as_nanos() as f64;
+        if !(ns >= self.ns0 as f64 - slack && ns <= now_ns as f64 + slack) {
+            return None;
+        }
+        // In range: the float fits (saturating `as` for the rest).
+        let ns = (ns.max(0.0) as u64).min(now_ns).max(self.last_ns);
         self.last_ns = ns;
-        ns
+        Some(ns)
     }
 }
 
@@ -113,8 +128,16 @@ impl Tracer {
         let Some(process) = self.family.processes.get_mut(&pid) else {
             return 0;
         };
-        let Some(control) = process.space.as_ref().and_then(|s| s.control()) else {
+        let Some(jumps) = process.space.as_mut().and_then(|s| s.jump.as_mut()) else {
             return 0;
+        };
+        let (Some(control), probes) = (jumps.control.as_mut(), &jumps.probes) else {
+            return 0;
+        };
+        let probe = |id: u16, op| {
+            probes
+                .get(usize::from(id))
+                .is_some_and(|p| p.ops.first() == Some(&op))
         };
         let merge = &mut process.merge;
         let mut pulled = std::mem::take(&mut merge.spare);
@@ -122,33 +145,49 @@ impl Tracer {
         merge.held.clear();
         let before = pulled.records.len();
         for (slot, tid) in control.used_slots() {
-            control.pull(slot, tid, &mut pulled);
+            control.pull(slot, tid, &probe, &mut pulled);
         }
         let read = pulled.records.len() - before;
         if read > 0 {
             pulled.records.sort_unstable_by_key(|r| r.seq);
         }
-        let mut take = 0;
-        let mut skipped = 0;
-        while take < pulled.records.len() {
-            let seq = pulled.records[take].seq;
-            if seq > merge.next {
-                let waited = merge.gap_since.get_or_insert_with(Instant::now).elapsed();
-                if !settle && waited < GAP_PATIENCE {
-                    break;
-                }
-                skipped += seq - merge.next;
-                merge.next = seq;
-            }
-            merge.next = merge.next.max(seq + 1);
-            merge.gap_since = None;
-            take += 1;
+        let screened = decode::screen_seqs(&mut pulled.records, merge.next);
+        if screened > 0 {
+            control.damaged.records += screened;
+            let next = merge.next;
+            control.damaged.note(|| {
+                format!("{screened} records numbered far past the next number {next}, or twice")
+            });
         }
-        merge.held.extend_from(&pulled, &pulled.records[take..]);
-        pulled.records.truncate(take);
-        self.stats.skipped_records += skipped;
+        let damaged = std::mem::take(&mut control.damaged);
+        // Every gap is skipped once the threads stand still; else one, once
+        // it has waited long enough.
+        let gaps = if settle {
+            usize::MAX
+        } else {
+            usize::from(merge.gap_since.is_some_and(|t| t.elapsed() >= GAP_PATIENCE))
+        };
+        let order = decode::in_order(pulled.records.iter().map(|r| r.seq), merge.next, gaps);
+        merge.next = order.next;
+        if order.waiting {
+            if order.take > 0 || order.skipped > 0 {
+                merge.gap_since = Some(Instant::now());
+            } else {
+                merge.gap_since.get_or_insert_with(Instant::now);
+            }
+        } else {
+            merge.gap_since = None;
+        }
+        merge
+            .held
+            .extend_from(&pulled, &pulled.records[order.take..]);
+        pulled.records.truncate(order.take);
+        self.stats.skipped_records = self.stats.skipped_records.saturating_add(order.skipped);
+        self.stats.damaged.add(&damaged);
+        // Every record read was committed before now.
+        let now_ns = self.now_ns();
         for record in &pulled.records {
-            self.book_record(pid, record, pulled.frames(record));
+            self.book_record(pid, record, pulled.frames(record), now_ns);
             // One reading can bring thousands of calls (a ring holds 1 MiB):
             // they go in batches of the usual size, so that what waits for
             // the pipeline and the recorder stays bounded. (If the pipeline
@@ -165,7 +204,7 @@ impl Tracer {
     }
 
     /// Book one record of process `pid`, with its frames.
-    fn book_record(&mut self, pid: Tid, r: &Record, frames: &[u64]) {
+    fn book_record(&mut self, pid: Tid, r: &Record, frames: &[u64], now_ns: u64) {
         let Some(space) = self
             .family
             .processes
@@ -186,8 +225,21 @@ impl Tracer {
             r.op
         };
         let ts_ns = match self.tsc.as_mut() {
-            Some(clock) => clock.ns(r.tsc),
-            None => self.now_ns(),
+            Some(clock) => match clock.ns_within(r.tsc, now_ns) {
+                Some(ns) => ns,
+                None => {
+                    self.stats.damaged.add(&Damaged {
+                        records: 1,
+                        first: Some(format!(
+                            "thread {}: a record stamped outside the trace (counter {})",
+                            r.tid, r.tsc
+                        )),
+                        ..Damaged::default()
+                    });
+                    return;
+                }
+            },
+            None => now_ns,
         };
         let facts = CallFacts {
             pid: pid as u32,
@@ -253,13 +305,22 @@ impl Tracer {
         let control = self
             .family
             .processes
-            .get(&pid)
-            .and_then(|p| p.space.as_ref()?.control());
+            .get_mut(&pid)
+            .and_then(|p| p.space.as_mut()?.control_mut());
         if let Some(c) = control {
             let (nested, abandoned, waits) = c.live_counts();
-            self.stats.nested_calls += c.nested + nested;
-            self.stats.lost_returns += c.abandoned + abandoned;
-            self.stats.ring_waits += c.waits + waits;
+            let damaged = std::mem::take(&mut c.damaged);
+            let stats = &mut self.stats;
+            stats.nested_calls = stats
+                .nested_calls
+                .saturating_add(c.nested.saturating_add(nested));
+            stats.lost_returns = stats
+                .lost_returns
+                .saturating_add(c.abandoned.saturating_add(abandoned));
+            stats.ring_waits = stats
+                .ring_waits
+                .saturating_add(c.waits.saturating_add(waits));
+            stats.damaged.add(&damaged);
         }
     }
 }

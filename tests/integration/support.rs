@@ -33,10 +33,10 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 19] = [
+const TRACEES: [&str; 20] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
     "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping", "resident", "heapmap",
-    "spawner",
+    "spawner", "scribble",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-use super::layout::{self, dir, record, slot};
+use super::decode;
+use super::layout::{self, dir, slot};
 use crate::event::Op;
 use crate::os::ptrace::Tid;
 use crate::os::shared::SharedMemory;
@@ -93,7 +94,68 @@ pub struct Control {
     pub nested: u64,
     pub abandoned: u64,
     pub waits: u64,
+    /// Damages seen in each slot since it was given to its thread; at
+    /// [`DROP_AFTER`] the slot is dropped: its records are no longer read.
+    strikes: Vec<u32>,
+    /// What the program broke in this area (see [`Damaged`]).
+    pub damaged: Damaged,
 }
+
+/// Damage found in a control area: words the program wrote where only a
+/// probe or memptrace should have (see [`super::decode`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Damaged {
+    /// Records refused (a bad header, size, op, probe, sequence number or
+    /// timestamp); a ring read no further after a bad record counts one.
+    pub records: u64,
+    /// Times a slot's own words were implausible: its head and tail, or a
+    /// counter (not added to the trace's counts).
+    pub slots: u64,
+    /// Slots dropped after [`DROP_AFTER`] damages: their thread's calls are
+    /// no longer recorded.
+    pub dropped: u64,
+    /// The first damage seen, for the warning.
+    pub first: Option<String>,
+}
+
+impl Damaged {
+    /// Add the damage found in another area.
+    pub fn add(&mut self, d: &Damaged) {
+        self.records = self.records.saturating_add(d.records);
+        self.slots = self.slots.saturating_add(d.slots);
+        self.dropped = self.dropped.saturating_add(d.dropped);
+        if self.first.is_none() {
+            self.first.clone_from(&d.first);
+        }
+    }
+
+    /// The warning a damaged trace gets, if it is damaged.
+    pub fn warning(&self) -> Option<String> {
+        if self.records == 0 && self.slots == 0 && self.dropped == 0 {
+            return None;
+        }
+        Some(format!(
+            "the trace is damaged: the program wrote over the memory it shares with memptrace \
+             ({} records refused, {} slot words implausible, {} threads' slots no longer read; \
+             first: {}); calls it made may be missing",
+            self.records,
+            self.slots,
+            self.dropped,
+            self.first.as_deref().unwrap_or("unknown"),
+        ))
+    }
+
+    pub fn note(&mut self, what: impl FnOnce() -> String) {
+        if self.first.is_none() {
+            self.first = Some(what());
+        }
+    }
+}
+
+/// Damages a slot may show before it is dropped: a program that keeps
+/// writing over its slot gets its calls no longer recorded, rather than
+/// records read from a ring it scribbles on.
+pub const DROP_AFTER: u32 = 8;
 
 impl Control {
     /// Make the control area in the process of the stopped thread `tid`,
@@ -121,6 +183,8 @@ impl Control {
             nested: 0,
             abandoned: 0,
             waits: 0,
+            strikes: vec![0; (layout::SLOTS + layout::PROBES) as usize],
+            damaged: Damaged::default(),
         };
         control.mem.store(layout::MAGIC, layout::MAGIC_VALUE);
         control.mem.store(layout::WAIT_TIMESPEC + 8, 1_000_000);
@@ -139,8 +203,9 @@ impl Control {
     pub fn copy_tables_from(&mut self, parent: &Control) {
         let used = parent.tables_used as usize;
         let mut buf = vec![0u8; used];
-        parent.mem.read(layout::TABLES, &mut buf);
-        self.mem.write(layout::TABLES, &buf);
+        if !parent.mem.read(layout::TABLES, &mut buf) || !self.mem.write(layout::TABLES, &buf) {
+            return; // cannot be: `tables_used` stays within the tables
+        }
         self.tables_used = parent.tables_used;
         self.images = parent.images.clone();
         self.publish_directory();
@@ -245,6 +310,9 @@ impl Control {
             self.mem.store(field(f), 0);
         }
         self.mem.store(field(slot::KEY), key);
+        if self.owners[i].is_none() {
+            self.strikes[i] = 0;
+        }
         self.owners[i] = Some(tid);
         Some(i)
     }
@@ -265,14 +333,35 @@ impl Control {
 
     /// Free slot `i` (its ring read to the end by the caller).
     pub fn release(&mut self, i: usize) {
-        self.nested += self.mem.load(Self::slot_at(i, slot::NESTED));
-        self.abandoned += self.mem.load(Self::slot_at(i, slot::ABANDONED));
-        self.waits += self.mem.load(Self::slot_at(i, slot::WAITS));
+        let (nested, abandoned, waits) = self.counts(i);
+        self.nested = self.nested.saturating_add(nested);
+        self.abandoned = self.abandoned.saturating_add(abandoned);
+        self.waits = self.waits.saturating_add(waits);
         for field in [slot::NESTED, slot::ABANDONED, slot::WAITS] {
             self.mem.store(Self::slot_at(i, field), 0);
         }
         self.mem.store(Self::slot_at(i, slot::KEY), 0);
         self.owners[i] = None;
+        self.strikes[i] = 0;
+    }
+
+    /// Slot `i`'s counters (calls not recorded, left by a longjmp, waits),
+    /// each 0 and counted as damage when implausible.
+    fn counts(&mut self, i: usize) -> (u64, u64, u64) {
+        let mut count = |field| {
+            let value = self.mem.load(Self::slot_at(i, field));
+            decode::plausible_count(value).unwrap_or_else(|| {
+                self.damaged.slots += 1;
+                self.damaged
+                    .note(|| format!("a slot counter of {value} (over {})", decode::MAX_COUNT));
+                0
+            })
+        };
+        (
+            count(slot::NESTED),
+            count(slot::ABANDONED),
+            count(slot::WAITS),
+        )
     }
 
     /// Record nothing of thread `tid`'s calls (`paused`), or again.
@@ -294,81 +383,121 @@ impl Control {
 
     /// Calls not recorded, outermost calls left by a longjmp, and waits
     /// for room, counted so far in slots still in use.
-    pub fn live_counts(&self) -> (u64, u64, u64) {
+    /// Implausible counters count as damage and add nothing.
+    pub fn live_counts(&mut self) -> (u64, u64, u64) {
         self.used_slots()
             .iter()
-            .fold((0, 0, 0), |(n, a, w), &(i, _)| {
-                let count = |field| self.mem.load(Self::slot_at(i, field));
+            .fold((0, 0, 0), |(n, a, w): (u64, u64, u64), &(i, _)| {
+                let (nested, abandoned, waits) = self.counts(i);
                 (
-                    n + count(slot::NESTED),
-                    a + count(slot::ABANDONED),
-                    w + count(slot::WAITS),
+                    n.saturating_add(nested),
+                    a.saturating_add(abandoned),
+                    w.saturating_add(waits),
                 )
             })
     }
 
     /// Read slot `i`'s committed records (owned by `tid`) into `out`, free
-    /// their room, and wake the thread if it waits for room. Returns how
-    /// many were read.
-    pub fn pull(&self, i: usize, tid: Tid, out: &mut Pulled) -> usize {
+    /// their room, and wake the thread if it waits for room. `probe`: whether
+    /// a probe of the space records an op. Returns how many were read: at
+    /// most a ring's worth, whatever the slot's words say. A damaged ring
+    /// is counted and resynchronised (its tail moved to its head); a slot
+    /// damaged [`DROP_AFTER`] times is dropped: its thread's calls are no
+    /// longer recorded, and its ring only emptied.
+    pub fn pull(
+        &mut self,
+        i: usize,
+        tid: Tid,
+        probe: &dyn Fn(u16, Op) -> bool,
+        out: &mut Pulled,
+    ) -> usize {
         let head = self.mem.load(Self::slot_at(i, slot::HEAD));
-        let mut tail = self.mem.load(Self::slot_at(i, slot::TAIL));
-        let ring = layout::ring_offset(i as u64);
-        let mut read = 0;
-        let mut header = [0u8; layout::RECORD_HEADER as usize];
-        while tail < head {
-            let at = ring + tail % layout::RING_SIZE;
-            self.mem.read(at, &mut header);
-            let word = |f: u64| {
-                u64::from_le_bytes(header[f as usize..f as usize + 8].try_into().expect("8"))
+        let tail = self.mem.load(Self::slot_at(i, slot::TAIL));
+        if head == tail {
+            return 0;
+        }
+        // Read after the head: every record before it took its number.
+        let seq_limit = self.mem.load(layout::SEQ);
+        let read = if self.strikes[i] >= DROP_AFTER {
+            self.mem.store(Self::slot_at(i, slot::FLAGS), 1);
+            decode::RingRead {
+                records: 0,
+                tail: head,
+                damage: None,
+            }
+        } else {
+            let ring = RingOf {
+                mem: &self.mem,
+                at: layout::ring_offset(i as u64),
             };
-            let h = word(record::HEAD);
-            let size = h & 0xffff;
-            let frames = ((h >> 16) & 0xffff) as usize;
-            if size < layout::RECORD_HEADER || frames > layout::MAX_FRAMES as usize {
-                break; // cannot happen: the probe writes whole records
-            }
-            let start = out.frames.len();
-            out.frames.resize(start + frames, 0);
-            self.mem
-                .read_words(at + record::FRAMES, &mut out.frames[start..]);
-            if let Some(op) = Op::from_code((h >> 40) as u8) {
-                out.records.push(Record {
-                    seq: word(record::SEQ),
-                    tsc: word(record::TSC),
-                    tid,
-                    op,
-                    probe: (h >> 48) as u16,
-                    flags: (h >> 32) as u8,
-                    args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
-                    ret: word(record::RET),
-                    stored: word(record::STORED),
-                    frames: start..start + frames,
-                });
-            }
-            tail += size;
-            read += 1;
+            let checks = decode::Checks { probe, seq_limit };
+            decode::read_ring(&ring, head, tail, tid, &checks, out)
+        };
+        if let Some(damage) = read.damage {
+            self.damage(i, tid, damage);
         }
-        if read > 0 {
-            self.mem.store(Self::slot_at(i, slot::TAIL), tail);
-            // The other half of the probe's barrier (see its wait): the tail
-            // is seen before WAITING is read.
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            if self.mem.load(Self::slot_at(i, slot::WAITING)) != 0 {
-                self.mem.store(Self::slot_at(i, slot::WAITING), 0);
-                self.mem.wake(Self::slot_at(i, slot::TAIL));
-            }
+        self.mem.store(Self::slot_at(i, slot::TAIL), read.tail);
+        // The other half of the probe's barrier (see its wait): the tail
+        // is seen before WAITING is read.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.mem.load(Self::slot_at(i, slot::WAITING)) != 0 {
+            self.mem.store(Self::slot_at(i, slot::WAITING), 0);
+            self.mem.wake(Self::slot_at(i, slot::TAIL));
         }
-        read
+        read.records
+    }
+
+    /// Count `damage` found in slot `i` (of thread `tid`), and drop the slot
+    /// when it has had too much.
+    fn damage(&mut self, i: usize, tid: Tid, damage: decode::Damage) {
+        match damage {
+            decode::Damage::Span { .. } => self.damaged.slots += 1,
+            _ => self.damaged.records += 1,
+        }
+        self.damaged
+            .note(|| format!("thread {tid}'s ring: {damage}"));
+        let strikes = &mut self.strikes[i];
+        *strikes += 1;
+        if *strikes == DROP_AFTER {
+            self.damaged.dropped += 1;
+            // Its calls are no longer recorded (the thread can write this
+            // too: the ring is emptied whatever it holds).
+            self.mem.store(Self::slot_at(i, slot::FLAGS), 1);
+        }
     }
 
     /// The stack pointer at the entry of the outermost call in progress on
     /// slot `i` (0: none).
+    /// The program can write it: one below 16, or misaligned, is taken
+    /// as none.
     pub fn pending_sp(&self, i: usize) -> u64 {
-        self.mem.load(Self::slot_at(i, slot::PENDING_SP))
+        let sp = self.mem.load(Self::slot_at(i, slot::PENDING_SP));
+        if sp < 16 || sp % 8 != 0 { 0 } else { sp }
     }
 
     fn slot_at(i: usize, field: u64) -> u64 {
         layout::slot_offset(i as u64) + field
+    }
+}
+
+/// One ring of the shared memory, as [`decode`] reads it.
+struct RingOf<'a> {
+    mem: &'a SharedMemory,
+    at: u64,
+}
+
+impl decode::RingBytes for RingOf<'_> {
+    fn copy_at(&self, at: u64, buf: &mut [u8]) -> bool {
+        let in_stride = at
+            .checked_add(buf.len() as u64)
+            .is_some_and(|end| end <= layout::RING_STRIDE);
+        in_stride && self.mem.read(self.at + at, buf)
+    }
+
+    fn copy_words(&self, at: u64, out: &mut [u64]) -> bool {
+        let in_stride = at
+            .checked_add(8 * out.len() as u64)
+            .is_some_and(|end| end <= layout::RING_STRIDE);
+        in_stride && self.mem.read_words(self.at + at, out)
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod code;
 pub mod control;
+pub mod decode;
 pub mod layout;
 pub mod plan;
 
