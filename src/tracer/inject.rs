@@ -9,7 +9,9 @@
 use std::io;
 
 use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::seccomp as os_seccomp;
 use crate::os::shared::{self, SharedMemory};
+use crate::seccomp::{self, Call};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
@@ -19,6 +21,8 @@ pub enum InjectError {
     Gone,
     #[error("the injected system call failed with errno {0}")]
     Errno(i32),
+    #[error(transparent)]
+    Forbidden(#[from] seccomp::Refusal),
 }
 
 /// The outcome of an injected call: its result and the signals that arrived
@@ -31,6 +35,10 @@ pub struct Injected {
 /// Run `syscall(nr, args...)` in the stopped thread `tid` using the `syscall`
 /// instruction bytes at `insn`.
 pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected, InjectError> {
+    // A call the thread's seccomp filter does not allow is not made: it
+    // could kill the program (the filter sees the address after `syscall`).
+    let call = Call::known(nr as i64, args, insn.wrapping_add(2));
+    seccomp::check(&os_seccomp::filters(tid), &call)?;
     let saved = ptrace::get_regs(tid)?;
     let mut regs = saved;
     regs.rax = nr;
@@ -61,8 +69,12 @@ pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected,
         match after {
             Stop::Signal(libc::SIGTRAP) => {}
             Stop::Signal(sig) => signals.push(sig),
-            Stop::Exited(_) | Stop::Killed { .. } => return Err(InjectError::Gone),
-            Stop::Event(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone),
+            // The wait loop must still see how the thread ended: for the
+            // program's leader, that is how the trace ends.
+            Stop::Exited(_) | Stop::Killed { .. } | Stop::Event(libc::PTRACE_EVENT_EXIT) => {
+                ptrace::keep_for_later(tid, after);
+                return Err(InjectError::Gone);
+            }
             _ => {}
         }
         let now = ptrace::get_regs(tid)?;

@@ -54,6 +54,11 @@ impl Stops {
         if let Some(found) = self.take() {
             return Ok(Some(found));
         }
+        let kept = ptrace::take_kept();
+        if !kept.is_empty() {
+            self.queue(kept);
+            return Ok(self.take());
+        }
         let Some(first) = ptrace::wait_any()? else {
             return Ok(None);
         };
@@ -88,7 +93,7 @@ impl Stops {
     /// Take every stop ready now, and queue them least recently served
     /// first. True when any was taken.
     fn gather(&mut self) -> io::Result<bool> {
-        let mut found = Vec::new();
+        let mut found = ptrace::take_kept();
         loop {
             match ptrace::poll_any() {
                 Ok(Some(stop)) => found.push(stop),

@@ -10,6 +10,7 @@
 
 pub mod areas;
 pub mod buffers;
+mod fallback;
 pub mod images;
 
 use std::collections::{BTreeMap, HashMap};
@@ -49,6 +50,8 @@ pub enum SpaceError {
     Inject(#[from] inject::InjectError),
     #[error(transparent)]
     Probe(#[from] probe_code::AsmError),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::Refusal),
 }
 
 /// How the calls of a space's allocator functions are caught.
@@ -121,6 +124,12 @@ pub struct Space {
     buffers_tried: bool,
     /// With jump probes: what they need.
     pub jump: Option<Jumps>,
+    /// Why jump probes, asked for, do not record in this space (its calls
+    /// are caught by int3 probes).
+    fallback: Option<String>,
+    /// Why a system call hooking needed was not made, the first time one
+    /// was not (the thread's seccomp filter does not allow it).
+    pub refused: Option<String>,
 }
 
 impl Space {
@@ -150,6 +159,8 @@ impl Space {
             shared: None,
             buffers_tried: !buffers,
             jump,
+            fallback: None,
+            refused: None,
         })
     }
 
@@ -214,6 +225,8 @@ impl Space {
                 fsgsbase: j.fsgsbase,
                 probes: j.probes.clone(),
             }),
+            fallback: self.fallback.clone(),
+            refused: None,
         })
     }
 
@@ -228,12 +241,16 @@ impl Space {
         signals: &mut Vec<i32>,
     ) -> Result<(), String> {
         let insn = self.syscall_insn().ok_or("no syscall instruction")?;
+        let calls = fallback::probe_calls(tid).map_err(|e| e.to_string())?;
         let name = self
             .name_in_target(tid, signals)
             .map_err(|e| e.to_string())?;
         let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
             .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
+        if calls.no_wake.is_some() {
+            control.forbid_wake();
+        }
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
         }
@@ -291,12 +308,20 @@ impl Space {
             }
         }
         if !changes.added.is_empty() && self.jump.as_ref().is_some_and(|j| !j.tried) {
-            if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
-            {
-                changes.warnings.push(format!(
-                    "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}",
+            match self.make_control(tid, &changes.added[0], &maps, &mut changes.signals) {
+                Ok(None) => {}
+                Ok(Some(no_wake)) => changes.warnings.push(format!(
+                    "process {}: its jump probes do not wake memptrace when a ring is full ({no_wake}); memptrace reads the rings every 1 ms",
                     self.pid
-                ));
+                )),
+                Err(err) => {
+                    let why = crate::error::with_causes(&err);
+                    changes.warnings.push(format!(
+                        "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
+                        self.pid
+                    ));
+                    self.fallback = Some(why);
+                }
             }
         }
         if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {
@@ -308,6 +333,9 @@ impl Space {
         let added = changes.added.clone();
         for module in &added {
             if let Err(err) = self.hook(tid, module, &maps, &mut changes) {
+                if let SpaceError::Inject(inject::InjectError::Forbidden(why)) = &err {
+                    self.refused.get_or_insert_with(|| why.to_string());
+                }
                 changes.warnings.push(format!("{}: {err}", module.path));
             }
         }
@@ -370,28 +398,33 @@ impl Space {
         Ok(())
     }
 
-    /// Make the control area of the jump probes (once per space).
+    /// Make the control area of the jump probes (once per space). Returns
+    /// why the probes may not wake memptrace, if they may not.
     fn make_control(
         &mut self,
         tid: Tid,
         near: &LoadedModule,
         maps: &[Mapping],
         signals: &mut Vec<i32>,
-    ) -> Result<(), SpaceError> {
+    ) -> Result<Option<String>, SpaceError> {
         if let Some(jump) = self.jump.as_mut() {
             jump.tried = true;
         }
+        let calls = fallback::probe_calls(tid)?;
         let insn = self
             .syscall_insn()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
         let name = self.room_near(tid, near, maps, 16, signals)?;
         self.mem.write(name, b"memptrace\0")?;
-        let control = Control::create(self.pid, tid, insn, name, None, signals)
+        let mut control = Control::create(self.pid, tid, insn, name, None, signals)
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
+        if calls.no_wake.is_some() {
+            control.forbid_wake();
+        }
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
         }
-        Ok(())
+        Ok(calls.no_wake.map(|r| r.to_string()))
     }
 
     /// A NUL-terminated name in the target's memory, for `memfd_create`.
@@ -446,10 +479,14 @@ impl Space {
                     });
                 }
                 HookKind::Allocator { ref ops, .. } => {
+                    let how = match &self.fallback {
+                        Some(why) => format!("int3: {why}"),
+                        None => "int3".into(),
+                    };
                     changes.planted.push(Planted {
                         module: module.path.clone(),
                         ops: ops.clone(),
-                        how: "int3".into(),
+                        how,
                     });
                     self.plant_int3(tid, module, maps, addr, kind, signals)?;
                 }
