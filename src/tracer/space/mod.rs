@@ -10,7 +10,7 @@
 
 pub mod areas;
 pub mod buffers;
-mod fallback;
+mod control;
 pub mod images;
 
 use std::collections::{BTreeMap, HashMap};
@@ -230,33 +230,6 @@ impl Space {
         })
     }
 
-    /// Give a forked child (this space, made by [`Space::fork_copy`], its
-    /// thread `tid` stopped) a control area of its own at the address of
-    /// its parent's, with the parent's tables: its probes, copies of the
-    /// parent's, then record into memory the parent does not share.
-    pub fn adopt_control(
-        &mut self,
-        tid: Tid,
-        parent: &Control,
-        signals: &mut Vec<i32>,
-    ) -> Result<(), String> {
-        let insn = self.syscall_insn().ok_or("no syscall instruction")?;
-        let calls = fallback::probe_calls(tid).map_err(|e| e.to_string())?;
-        let name = self
-            .name_in_target(tid, signals)
-            .map_err(|e| e.to_string())?;
-        let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
-            .map_err(|e| crate::error::with_causes(&e))?;
-        control.copy_tables_from(parent);
-        if calls.no_wake.is_some() {
-            control.forbid_wake();
-        }
-        if let Some(jump) = self.jump.as_mut() {
-            jump.control = Some(control);
-        }
-        Ok(())
-    }
-
     pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
         let (_, m) = self.modules.range(..=addr).next_back()?;
         m.range.contains(&addr).then_some(m)
@@ -396,45 +369,6 @@ impl Space {
         self.mem.write(routine, &COPY_ROUTINE)?;
         self.buffers = Some(StackBuffers::new(map, remote, routine));
         Ok(())
-    }
-
-    /// Make the control area of the jump probes (once per space). Returns
-    /// why the probes may not wake memptrace, if they may not.
-    fn make_control(
-        &mut self,
-        tid: Tid,
-        near: &LoadedModule,
-        maps: &[Mapping],
-        signals: &mut Vec<i32>,
-    ) -> Result<Option<String>, SpaceError> {
-        if let Some(jump) = self.jump.as_mut() {
-            jump.tried = true;
-        }
-        let calls = fallback::probe_calls(tid)?;
-        let insn = self
-            .syscall_insn()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
-        let name = self.room_near(tid, near, maps, 16, signals)?;
-        self.mem.write(name, b"memptrace\0")?;
-        let mut control = Control::create(self.pid, tid, insn, name, None, signals)
-            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
-        if calls.no_wake.is_some() {
-            control.forbid_wake();
-        }
-        if let Some(jump) = self.jump.as_mut() {
-            jump.control = Some(control);
-        }
-        Ok(calls.no_wake.map(|r| r.to_string()))
-    }
-
-    /// A NUL-terminated name in the target's memory, for `memfd_create`.
-    fn name_in_target(&mut self, _tid: Tid, _signals: &mut Vec<i32>) -> Result<u64, SpaceError> {
-        let at = self
-            .areas
-            .take_anywhere(16)
-            .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
-        self.mem.write(at, b"memptrace\0")?;
-        Ok(at)
     }
 
     fn hook(
