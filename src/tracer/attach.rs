@@ -113,7 +113,7 @@ impl Tracer {
                 Some(why) => TraceError::AttachAbandoned {
                     pid,
                     reason: format!(
-                        "its allocator functions cannot be hooked without a system call it does not allow: {why}"
+                        "its allocator functions cannot be hooked without a system call its seccomp filter may refuse: {why}"
                     ),
                 },
                 None => TraceError::NoAllocator(pid),

@@ -87,8 +87,8 @@ impl Tracer {
         );
         let warning = match &space.refused {
             Some(why) => format!(
-                "{program}: its allocator functions cannot be hooked without a system call \
-                 it does not allow ({why}); its calls are not recorded"
+                "{program}: its allocator functions cannot be hooked without a system call its \
+                 seccomp filter may refuse ({why}); its calls are not recorded"
             ),
             None => format!(
                 "{program}: no allocator function (malloc, free, ...) found to hook in any of \

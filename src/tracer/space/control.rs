@@ -2,10 +2,12 @@
 //! `probes::jump::control`), made as the program's seccomp filter allows,
 //! and the way back to int3 probes when it cannot be made.
 //!
-//! A jump probe makes two system calls of its own when its ring is full:
-//! `tgkill` to wake memptrace (which also polls every 1 ms, so a filter
-//! without it only turns the wake-up off) and `futex` to wait (without it
-//! the probe cannot wait: no jump probes). A forked child whose control
+//! A jump probe waits with `futex` when its ring is full: a process whose
+//! filter does not allow that gets no jump probes. It could also wake
+//! memptrace with `tgkill`, but a filter the program installs later (a
+//! sandbox set up after start) could kill it for that, and memptrace reads
+//! the rings every 1 ms anyway: every control area turns that wake-up off
+//! (`layout::NO_WAKE`). A forked child whose control
 //! area cannot be made (its filter refuses `memfd_create`, say) has its
 //! parent's jump patches in its copy of the code: they are put back and
 //! int3 probes planted on the same functions, before the child runs.
@@ -21,21 +23,13 @@ use crate::seccomp;
 use crate::tracer::probes::jump::control::Control;
 use crate::tracer::probes::{HookKind, Probe};
 
-/// What the jump probes of a process may call.
-pub struct ProbeCalls {
-    /// Why the probes may not wake memptrace, if they may not.
-    pub no_wake: Option<seccomp::Refusal>,
-}
-
 /// Whether the jump probes of the process of the stopped thread `tid` may
-/// make their calls: an error when they may not wait (no jump probes).
-pub fn probe_calls(tid: Tid) -> Result<ProbeCalls, SpaceError> {
-    let filters = os_seccomp::filters(tid);
-    seccomp::check(&filters, &seccomp::probe_wait())?;
-    let wake = seccomp::probe_wake(std::process::id(), crate::os::local::thread_id() as u32);
-    Ok(ProbeCalls {
-        no_wake: seccomp::check(&filters, &wake).err(),
-    })
+/// wait for room in a full ring: an error when they may not.
+pub fn probe_calls(tid: Tid) -> Result<(), SpaceError> {
+    Ok(seccomp::check(
+        &os_seccomp::filters(tid),
+        &seccomp::probe_wait(),
+    )?)
 }
 
 impl Space {
@@ -93,35 +87,32 @@ impl Space {
         signals: &mut Vec<i32>,
     ) -> Result<(), String> {
         let insn = self.syscall_insn().ok_or("no syscall instruction")?;
-        let calls = probe_calls(tid).map_err(|e| e.to_string())?;
+        probe_calls(tid).map_err(|e| e.to_string())?;
         let name = self
             .name_in_target(tid, signals)
             .map_err(|e| e.to_string())?;
         let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
             .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
-        if calls.no_wake.is_some() {
-            control.forbid_wake();
-        }
+        control.forbid_wake();
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
         }
         Ok(())
     }
 
-    /// Make the control area of the jump probes (once per space). Returns
-    /// why the probes may not wake memptrace, if they may not.
+    /// Make the control area of the jump probes (once per space).
     pub(super) fn make_control(
         &mut self,
         tid: Tid,
         near: &LoadedModule,
         maps: &[Mapping],
         signals: &mut Vec<i32>,
-    ) -> Result<Option<String>, SpaceError> {
+    ) -> Result<(), SpaceError> {
         if let Some(jump) = self.jump.as_mut() {
             jump.tried = true;
         }
-        let calls = probe_calls(tid)?;
+        probe_calls(tid)?;
         let insn = self
             .syscall_insn()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
@@ -129,13 +120,11 @@ impl Space {
         self.mem.write(name, b"memptrace\0")?;
         let mut control = Control::create(self.pid, tid, insn, name, None, signals)
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
-        if calls.no_wake.is_some() {
-            control.forbid_wake();
-        }
+        control.forbid_wake();
         if let Some(jump) = self.jump.as_mut() {
             jump.control = Some(control);
         }
-        Ok(calls.no_wake.map(|r| r.to_string()))
+        Ok(())
     }
 
     /// A NUL-terminated name in the target's memory, for `memfd_create`.

@@ -281,20 +281,14 @@ impl Space {
             }
         }
         if !changes.added.is_empty() && self.jump.as_ref().is_some_and(|j| !j.tried) {
-            match self.make_control(tid, &changes.added[0], &maps, &mut changes.signals) {
-                Ok(None) => {}
-                Ok(Some(no_wake)) => changes.warnings.push(format!(
-                    "process {}: its jump probes do not wake memptrace when a ring is full ({no_wake}); memptrace reads the rings every 1 ms",
+            if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
+            {
+                let why = crate::error::with_causes(&err);
+                changes.warnings.push(format!(
+                    "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
                     self.pid
-                )),
-                Err(err) => {
-                    let why = crate::error::with_causes(&err);
-                    changes.warnings.push(format!(
-                        "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
-                        self.pid
-                    ));
-                    self.fallback = Some(why);
-                }
+                ));
+                self.fallback = Some(why);
             }
         }
         if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {

@@ -431,8 +431,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.push(rsi)?;
     a.push(rdx)?;
     // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD),
-    // unless the program's seccomp filter forbids tgkill (memptrace then
-    // finds the full ring by polling)...
+    // unless told not to (`NO_WAKE`: a seccomp filter could kill the
+    // program for it; memptrace finds the full ring by polling)...
     let mut woken = a.create_label();
     a.mov(rax, spec.control + layout::TRACER_PID)?;
     a.cmp(

@@ -41,8 +41,9 @@ pub const WAIT_TIMESPEC: u64 = 192;
 /// full sends that thread SIGCHLD, which wakes it if it sleeps.
 pub const TRACER_PID: u64 = 256;
 pub const TRACER_TID: u64 = 264;
-/// Not 0: the probe must not send that signal (the program's seccomp
-/// filter does not allow `tgkill`); memptrace polls the rings every 1 ms.
+/// Not 0: the probe must not send that signal. memptrace sets it in every
+/// area: a seccomp filter the program installs at any time may kill it
+/// for `tgkill`, and memptrace reads the rings every 1 ms anyway.
 pub const NO_WAKE: u64 = 384;
 pub const HEADER_SIZE: u64 = 4096;
 
