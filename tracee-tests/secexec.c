@@ -6,10 +6,14 @@
  *           eperm-memfd  SECCOMP_RET_ERRNO(EPERM) on memfd_create
  *           no-tgkill    SECCOMP_RET_KILL_PROCESS on tgkill
  *           none         no filter
+ *           strict       none until `wait` enters strict mode
  *   WHAT    exec PROGRAM ARGS...  runs PROGRAM under the filter
  *           loop N                N malloc/free pairs, truth, exit 3
  *           fork N                a forked child makes N pairs and exits 0,
  *                                 then the parent makes N and exits 3
+ *           wait                  prints `ready PID` (and with `strict`,
+ *                                 enters strict mode and prints `strict`),
+ *                                 echoes stdin to stdout, exits 3 at its end
  *
  * Untraced, every form runs to its end: the filter only refuses what the
  * program itself never calls. */
@@ -59,7 +63,7 @@ static int install(const char *filter)
 {
     long nr;
     unsigned int action;
-    if (strcmp(filter, "none") == 0)
+    if (strcmp(filter, "none") == 0 || strcmp(filter, "strict") == 0)
         return 0;
     if (strcmp(filter, "kill-memfd") == 0)
         nr = SYS_memfd_create, action = SECCOMP_RET_KILL_PROCESS;
@@ -118,6 +122,22 @@ int main(int argc, char **argv)
         }
         parent_loop(n);
         return 3;
+    }
+    if (strcmp(argv[2], "wait") == 0) {
+        parent_release(parent_alloc(10));
+        printf("ready %d\n", (int)getpid());
+        /* Strict mode allows read, write, exit and sigreturn only: no
+         * exit_group, no allocation from here on. */
+        if (strcmp(argv[1], "strict") == 0) {
+            if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_STRICT, 0, 0, 0) != 0)
+                return 1;
+            write(1, "strict\n", 7);
+        }
+        char buf[256];
+        ssize_t n;
+        while ((n = read(0, buf, sizeof buf)) > 0)
+            write(1, buf, (size_t)n);
+        syscall(SYS_exit, 3);
     }
     return 2;
 }

@@ -3,7 +3,9 @@
 //! where it must, says so in `meta`, and the program's output and exit
 //! status are its own. Run in the probe mode of the suite (`MEMPTRACE_PROBES`).
 
-use crate::support::{Trace, Variant, probes, trace_program, tracee};
+use crate::support::{
+    Background, Trace, Variant, memptrace, probes, run, scratch, trace_program, tracee,
+};
 
 fn secexec() -> String {
     tracee(Variant::Dynamic, "secexec")
@@ -164,4 +166,37 @@ fn a_child_refused_memfd_create_is_traced_by_int3_probes() {
         assert_eq!(t.meta("probe.libc.so.6:malloc").as_deref(), Some("int3"));
         assert_eq!(warnings(&t), Vec::<String>::new());
     }
+}
+
+/// Strict mode allows no call memptrace would add: an attach says so in one
+/// line and leaves the process as it was, to run on to its own end.
+#[test]
+fn attach_to_a_process_in_strict_mode_leaves_it_unharmed() {
+    let mut program = Background::interactive(
+        std::process::Command::new(tracee(Variant::Dynamic, "secexec")).args(["strict", "wait"]),
+    );
+    let pid: i32 = program.wait_for("ready").parse().unwrap();
+    program.wait_for("strict");
+    let db = scratch("attach-strict").join("trace.db");
+    let out = run(
+        memptrace()
+            .args(["attach", &pid.to_string(), "--duration", "1", "-o"])
+            .arg(&db),
+        b"",
+    );
+    assert_eq!(out.code(), 1, "{}", out.stderr);
+    assert_eq!(
+        out.stderr,
+        format!(
+            "memptrace: attaching to process {pid} given up (its allocator functions cannot be \
+             hooked without a system call its seccomp filter may refuse: the thread is in strict \
+             seccomp mode, which allows no call memptrace needs); the process was left as it was\n"
+        )
+    );
+    assert!(!db.exists(), "no database for an attach that failed");
+    program.send("still here\n");
+    assert_eq!(program.wait_for("still here"), "");
+    program.close_stdin();
+    let end = program.finish();
+    assert_eq!(end.code(), 3, "{}", end.stderr);
 }
