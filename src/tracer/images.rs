@@ -232,3 +232,17 @@ fn noted(how: &str, this: &str) -> bool {
     how.split("; ")
         .any(|part| part == this || part.ends_with(&format!(": {this}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::noted;
+
+    #[test]
+    fn a_way_of_hooking_is_noted_once() {
+        let how = "jump; in process 7: int3: no memory shared with memptrace";
+        assert!(noted(how, "jump"));
+        assert!(noted(how, "int3: no memory shared with memptrace"));
+        assert!(!noted(how, "int3"));
+        assert!(!noted("jump", "int3"));
+    }
+}

@@ -136,4 +136,20 @@ mod tests {
         let order: Vec<Tid> = std::iter::from_fn(|| stops.take().map(|(t, _)| t)).collect();
         assert_eq!(order, [1, 9, 2]);
     }
+
+    #[test]
+    fn a_stop_kept_by_another_wait_is_served() {
+        // How a thread killed during an injected system call ended: taken
+        // by that call's wait, served by the wait loop all the same.
+        let killed = Stop::Killed {
+            sig: libc::SIGSYS,
+            core: false,
+        };
+        ptrace::keep_for_later(77, killed);
+        let mut stops = Stops::default();
+        // (`wait`, which takes it before any waitpid: this test process has
+        // children of other tests that it must not reap.)
+        assert_eq!(stops.wait().unwrap(), Some((77, killed)));
+        assert_eq!(ptrace::take_kept(), Vec::new());
+    }
 }
