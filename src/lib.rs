@@ -29,6 +29,7 @@ pub mod program;
 pub mod progress;
 pub mod report;
 pub mod sampler;
+pub mod seccomp;
 pub mod session;
 pub mod sink;
 pub mod symbols;

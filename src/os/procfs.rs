@@ -123,6 +123,22 @@ pub fn tracer_pid(pid: Tid) -> Option<Tid> {
     field(&status, "TracerPid:")?.parse().ok()
 }
 
+/// The seccomp mode of thread `tid` (`Seccomp:` of its status file): 0
+/// none, 1 strict, 2 filter.
+pub fn seccomp_mode(tid: Tid) -> io::Result<u8> {
+    let status = fs::read_to_string(format!("/proc/{tid}/status"))?;
+    parse_seccomp_mode(&status)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "a bad Seccomp: line"))
+}
+
+/// A kernel built without seccomp has no `Seccomp:` line: mode 0.
+fn parse_seccomp_mode(status: &str) -> Option<u8> {
+    match field(status, "Seccomp:") {
+        None => Some(0),
+        Some(mode) => mode.parse().ok(),
+    }
+}
+
 /// memptrace's own peak resident set size in KiB (`VmHWM:` of
 /// /proc/self/status).
 pub fn own_peak_rss_kib() -> Option<u64> {
@@ -221,6 +237,15 @@ pub fn resident_pages(pid: Tid, start: u64, pages: u64) -> io::Result<Vec<bool>>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_seccomp_mode() {
+        let status = "Name:\tcat\nNoNewPrivs:\t1\nSeccomp:\t2\nSeccomp_filters:\t1\n";
+        assert_eq!(parse_seccomp_mode(status), Some(2));
+        assert_eq!(parse_seccomp_mode("Name:\tcat\n"), Some(0));
+        assert_eq!(parse_seccomp_mode("Seccomp:\tx\n"), None);
+        assert!(seccomp_mode(std::process::id() as Tid).is_ok());
+    }
 
     #[test]
     fn parses_maps_lines() {

@@ -172,6 +172,23 @@ pub fn poll_any() -> io::Result<Option<(Tid, Stop)>> {
     wait(-1, libc::WNOHANG)
 }
 
+/// Stops taken by a wait for one thread that the wait loop must still serve
+/// (a thread that exited, or was killed, while memptrace ran a system call
+/// in it): its exit status is how the program ended.
+static KEPT: std::sync::Mutex<Vec<(Tid, Stop)>> = std::sync::Mutex::new(Vec::new());
+
+/// Keep `stop` of `tid` for the wait loop (see [`take_kept`]).
+pub fn keep_for_later(tid: Tid, stop: Stop) {
+    KEPT.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((tid, stop));
+}
+
+/// The stops kept by [`keep_for_later`], oldest first.
+pub fn take_kept() -> Vec<(Tid, Stop)> {
+    std::mem::take(&mut *KEPT.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// Wait for one thread only; other threads' stops stay queued for `wait_any`.
 pub fn wait_tid(tid: Tid) -> io::Result<Option<(Tid, Stop)>> {
     wait(tid, 0)

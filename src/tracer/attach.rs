@@ -123,7 +123,16 @@ impl Tracer {
         // Signals the worker received while running injected calls.
         let mut arrived = self.refresh_images(pid, worker)?;
         if self.stats.hooked_functions == 0 {
-            return Err(TraceError::NoAllocator(pid));
+            let refused = self.family.space_of(pid).and_then(|s| s.refused.clone());
+            return Err(match refused {
+                Some(why) => TraceError::AttachAbandoned {
+                    pid,
+                    reason: format!(
+                        "its allocator functions cannot be hooked without a system call its seccomp filter may refuse: {why}"
+                    ),
+                },
+                None => TraceError::NoAllocator(pid),
+            });
         }
         self.take_inventory(pid);
         // A thread that stopped inside the bytes a jump now covers goes on

@@ -125,10 +125,22 @@ impl Tracer {
             // gets one of its own before it runs.
             let mut signals = Vec::new();
             if let Err(err) = copy.adopt_control(tid, control, &mut signals) {
-                self.stats.warnings.push(format!(
-                    "process {tid}: its calls cannot be recorded apart from its parent's ({err}); it is released"
-                ));
-                return self.release_fork(tid, parent);
+                // As in a process that execs: int3 probes catch its calls.
+                let why = format!("no memory shared with memptrace: {err}");
+                match copy.jumps_to_int3(tid, &why, &mut signals) {
+                    Ok(planted) => {
+                        self.stats.warnings.push(format!(
+                            "process {tid}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}"
+                        ));
+                        self.note_planted(tid, planted);
+                    }
+                    Err(again) => {
+                        self.stats.warnings.push(format!(
+                            "process {tid}: its calls cannot be recorded apart from its parent's ({err}), nor caught by int3 probes ({again}); it is released"
+                        ));
+                        return self.release_fork(tid, parent);
+                    }
+                }
             }
             for sig in signals {
                 let _ = ptrace::tgkill(tid, tid, sig);

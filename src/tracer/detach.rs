@@ -410,7 +410,7 @@ impl Tracer {
                         break;
                     }
                     Err(SpaceError::Inject(
-                        err @ (InjectError::Gone(_) | InjectError::InVfork),
+                        err @ (InjectError::Gone | InjectError::InVfork),
                     )) => last_error = Some(SpaceError::Inject(err)),
                     Err(err) => {
                         last_error = Some(err);

@@ -4,7 +4,7 @@
 
 use super::process::{Process, Role};
 use super::space::images::LoadedModule;
-use super::space::{Changes, Space};
+use super::space::{Changes, Planted, Space};
 use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::libunwind::LibunwindUnwinder;
@@ -85,10 +85,17 @@ impl Tracer {
             || format!("process {pid}"),
             |m| format!("process {pid} ({})", m.path),
         );
-        self.stats.warnings.push(format!(
-            "{program}: no allocator function (malloc, free, ...) found to hook in any of its \
-             images; its calls are not recorded"
-        ));
+        let warning = match &space.refused {
+            Some(why) => format!(
+                "{program}: its allocator functions cannot be hooked without a system call its \
+                 seccomp filter may refuse ({why}); its calls are not recorded"
+            ),
+            None => format!(
+                "{program}: no allocator function (malloc, free, ...) found to hook in any of \
+                 its images; its calls are not recorded"
+            ),
+        };
+        self.stats.warnings.push(warning);
     }
 
     /// Re-read the process's images, hook new ones and tell the pipeline.
@@ -112,15 +119,7 @@ impl Tracer {
             warnings,
             planted,
         } = changes;
-        for p in planted {
-            let image = crate::report::stacks::file_name(&p.module).to_string();
-            for op in p.ops {
-                let key = format!("{image}:{op}");
-                if !self.stats.probes.iter().any(|(k, _)| *k == key) {
-                    self.stats.probes.push((key, p.how.clone()));
-                }
-            }
-        }
+        self.note_planted(pid, planted);
         self.send(TraceMsg::Trampolines {
             pid: pid as u32,
             areas,
@@ -149,6 +148,23 @@ impl Tracer {
         self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
         self.stats.warnings.extend(warnings);
         Ok(signals)
+    }
+
+    /// Keep how process `pid` hooked its allocator functions, for `meta`:
+    /// where another process hooked the same function another way (an
+    /// exec'd program, a child), the row says both.
+    pub(super) fn note_planted(&mut self, pid: Tid, planted: Vec<Planted>) {
+        for p in planted {
+            let image = crate::report::stacks::file_name(&p.module).to_string();
+            for op in p.ops {
+                let key = format!("{image}:{op}");
+                match self.stats.probes.iter_mut().find(|(k, _)| *k == key) {
+                    None => self.stats.probes.push((key, p.how.clone())),
+                    Some((_, how)) if noted(how, &p.how) => {}
+                    Some((_, how)) => *how = format!("{how}; in process {pid}: {}", p.how),
+                }
+            }
+        }
     }
 
     /// Tell the unwinders and the pipeline about an image of process `pid`.
@@ -207,5 +223,26 @@ impl Tracer {
             }
         }
         process.libunwind.as_mut()
+    }
+}
+
+/// True when the `meta` value `how` says `this` already (see
+/// [`Tracer::note_planted`]).
+fn noted(how: &str, this: &str) -> bool {
+    how.split("; ")
+        .any(|part| part == this || part.ends_with(&format!(": {this}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::noted;
+
+    #[test]
+    fn a_way_of_hooking_is_noted_once() {
+        let how = "jump; in process 7: int3: no memory shared with memptrace";
+        assert!(noted(how, "jump"));
+        assert!(noted(how, "int3: no memory shared with memptrace"));
+        assert!(!noted(how, "int3"));
+        assert!(!noted("jump", "int3"));
     }
 }

@@ -10,16 +10,16 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::seccomp as os_seccomp;
 use crate::os::shared::{self, SharedMemory};
+use crate::seccomp::{self, Call};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InjectError {
     #[error("ptrace: {0}")]
     Ptrace(#[from] io::Error),
-    /// With the thread's last status when the wait collected it (a
-    /// leader's exit: the process's status, which the trace must report).
     #[error("the thread exited while running an injected system call")]
-    Gone(Option<Stop>),
+    Gone,
     #[error("the thread is a vfork parent waiting for its child")]
     InVfork,
     #[error(
@@ -30,6 +30,8 @@ pub enum InjectError {
     Stuck,
     #[error("the injected system call failed with errno {0}")]
     Errno(i32),
+    #[error(transparent)]
+    Forbidden(#[from] seccomp::Refusal),
 }
 
 /// The outcome of an injected call: its result and the signals that arrived
@@ -54,6 +56,10 @@ const STEP_PATIENCE: Duration = Duration::from_secs(2);
 /// `-ERESTART*` code in `rax` are put back as they were, so the kernel
 /// restarts (or not) the call the thread was in exactly as it would have.
 pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected, InjectError> {
+    // A call the thread's seccomp filter does not allow is not made: it
+    // could kill the program (the filter sees the address after `syscall`).
+    let call = Call::known(nr as i64, args, insn.wrapping_add(2));
+    seccomp::check(&os_seccomp::filters(tid), &call)?;
     let mut signals = Vec::new();
     leave_system_call(tid, &mut signals)?;
     let saved = ptrace::get_regs(tid)?;
@@ -89,8 +95,12 @@ pub fn syscall(tid: Tid, insn: u64, nr: u64, args: [u64; 6]) -> Result<Injected,
         match after {
             Stop::Signal(libc::SIGTRAP) => {}
             Stop::Signal(sig) => signals.push(sig),
-            Stop::Exited(_) | Stop::Killed { .. } => return Err(InjectError::Gone(Some(after))),
-            Stop::Event(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone(None)),
+            // The wait loop must still see how the thread ended: for the
+            // program's leader, that is how the trace ends.
+            Stop::Exited(_) | Stop::Killed { .. } | Stop::Event(libc::PTRACE_EVENT_EXIT) => {
+                ptrace::keep_for_later(tid, after);
+                return Err(InjectError::Gone);
+            }
             _ => {}
         }
         let now = ptrace::get_regs(tid)?;
@@ -133,7 +143,7 @@ fn leave_system_call(tid: Tid, signals: &mut Vec<i32>) -> Result<(), InjectError
             | libc::PTRACE_EVENT_VFORK_DONE,
         ) => {}
         Some(libc::PTRACE_EVENT_VFORK) => return Err(InjectError::InVfork),
-        Some(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone(None)),
+        Some(libc::PTRACE_EVENT_EXIT) => return Err(InjectError::Gone),
         _ => return Ok(()),
     }
     ptrace::single_step(tid)?;
@@ -143,8 +153,11 @@ fn leave_system_call(tid: Tid, signals: &mut Vec<i32>) -> Result<(), InjectError
             signals.push(sig);
             Ok(())
         }
-        Some(stop @ (Stop::Exited(_) | Stop::Killed { .. })) => Err(InjectError::Gone(Some(stop))),
-        Some(Stop::Event(libc::PTRACE_EVENT_EXIT)) => Err(InjectError::Gone(None)),
+        // The wait loop must still see how the thread ended (see `syscall`).
+        Some(stop @ (Stop::Exited(_) | Stop::Killed { .. } | Stop::Event(libc::PTRACE_EVENT_EXIT))) => {
+            ptrace::keep_for_later(tid, stop);
+            Err(InjectError::Gone)
+        }
         Some(_) => Ok(()),
         None => {
             let _ = ptrace::interrupt(tid);

@@ -54,6 +54,11 @@ impl Stops {
         if let Some(found) = self.take() {
             return Ok(Some(found));
         }
+        let kept = ptrace::take_kept();
+        if !kept.is_empty() {
+            self.queue(kept);
+            return Ok(self.take());
+        }
         let Some(first) = ptrace::wait_any()? else {
             return Ok(None);
         };
@@ -95,7 +100,7 @@ impl Stops {
     /// Take every stop ready now, and queue them least recently served
     /// first. True when any was taken.
     fn gather(&mut self) -> io::Result<bool> {
-        let mut found = Vec::new();
+        let mut found = ptrace::take_kept();
         loop {
             match ptrace::poll_any() {
                 Ok(Some(stop)) => found.push(stop),
@@ -148,5 +153,21 @@ mod tests {
         assert_eq!(stops.take_of(2), None);
         let order: Vec<Tid> = std::iter::from_fn(|| stops.take().map(|(t, _)| t)).collect();
         assert_eq!(order, [1, 3]);
+    }
+
+    #[test]
+    fn a_stop_kept_by_another_wait_is_served() {
+        // How a thread killed during an injected system call ended: taken
+        // by that call's wait, served by the wait loop all the same.
+        let killed = Stop::Killed {
+            sig: libc::SIGSYS,
+            core: false,
+        };
+        ptrace::keep_for_later(77, killed);
+        let mut stops = Stops::default();
+        // (`wait`, which takes it before any waitpid: this test process has
+        // children of other tests that it must not reap.)
+        assert_eq!(stops.wait().unwrap(), Some((77, killed)));
+        assert_eq!(ptrace::take_kept(), Vec::new());
     }
 }

@@ -24,6 +24,7 @@ mod report;
 mod returns;
 mod rss;
 mod sampling;
+mod seccomp;
 mod stacks;
 mod stripped;
 mod support;

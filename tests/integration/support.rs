@@ -157,6 +157,7 @@ fn build_variant(variant: Variant) -> PathBuf {
                 &[&libdir, "-lneeded", "-Wl,-rpath,$ORIGIN"],
             );
             compile(variant, &["noptrace.c"], &dir.join("noptrace"), &[]);
+            compile(variant, &["secexec.c"], &dir.join("secexec"), &[]);
             // No C library: the dynamic linker is the only other image.
             compile(
                 variant,

@@ -10,6 +10,7 @@
 
 pub mod areas;
 pub mod buffers;
+mod control;
 pub mod images;
 
 use std::collections::{BTreeMap, HashMap};
@@ -49,6 +50,8 @@ pub enum SpaceError {
     Inject(#[from] inject::InjectError),
     #[error(transparent)]
     Probe(#[from] probe_code::AsmError),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::Refusal),
 }
 
 /// How the calls of a space's allocator functions are caught.
@@ -121,6 +124,12 @@ pub struct Space {
     buffers_tried: bool,
     /// With jump probes: what they need.
     pub jump: Option<Jumps>,
+    /// Why jump probes, asked for, do not record in this space (its calls
+    /// are caught by int3 probes).
+    fallback: Option<String>,
+    /// Why a system call hooking needed was not made, the first time one
+    /// was not (the thread's seccomp filter does not allow it).
+    pub refused: Option<String>,
 }
 
 impl Space {
@@ -150,6 +159,8 @@ impl Space {
             shared: None,
             buffers_tried: !buffers,
             jump,
+            fallback: None,
+            refused: None,
         })
     }
 
@@ -214,30 +225,9 @@ impl Space {
                 fsgsbase: j.fsgsbase,
                 probes: j.probes.clone(),
             }),
+            fallback: self.fallback.clone(),
+            refused: None,
         })
-    }
-
-    /// Give a forked child (this space, made by [`Space::fork_copy`], its
-    /// thread `tid` stopped) a control area of its own at the address of
-    /// its parent's, with the parent's tables: its probes, copies of the
-    /// parent's, then record into memory the parent does not share.
-    pub fn adopt_control(
-        &mut self,
-        tid: Tid,
-        parent: &Control,
-        signals: &mut Vec<i32>,
-    ) -> Result<(), String> {
-        let insn = self.syscall_insn().ok_or("no syscall instruction")?;
-        let name = self
-            .name_in_target(tid, signals)
-            .map_err(|e| e.to_string())?;
-        let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
-            .map_err(|e| crate::error::with_causes(&e))?;
-        control.copy_tables_from(parent);
-        if let Some(jump) = self.jump.as_mut() {
-            jump.control = Some(control);
-        }
-        Ok(())
     }
 
     pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
@@ -293,10 +283,12 @@ impl Space {
         if !changes.added.is_empty() && self.jump.as_ref().is_some_and(|j| !j.tried) {
             if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
             {
+                let why = crate::error::with_causes(&err);
                 changes.warnings.push(format!(
-                    "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}",
+                    "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
                     self.pid
                 ));
+                self.fallback = Some(why);
             }
         }
         if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {
@@ -308,6 +300,9 @@ impl Space {
         let added = changes.added.clone();
         for module in &added {
             if let Err(err) = self.hook(tid, module, &maps, &mut changes) {
+                if let SpaceError::Inject(inject::InjectError::Forbidden(why)) = &err {
+                    self.refused.get_or_insert_with(|| why.to_string());
+                }
                 changes.warnings.push(format!("{}: {err}", module.path));
             }
         }
@@ -370,40 +365,6 @@ impl Space {
         Ok(())
     }
 
-    /// Make the control area of the jump probes (once per space).
-    fn make_control(
-        &mut self,
-        tid: Tid,
-        near: &LoadedModule,
-        maps: &[Mapping],
-        signals: &mut Vec<i32>,
-    ) -> Result<(), SpaceError> {
-        if let Some(jump) = self.jump.as_mut() {
-            jump.tried = true;
-        }
-        let insn = self
-            .syscall_insn()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
-        let name = self.room_near(tid, near, maps, 16, signals)?;
-        self.mem.write(name, b"memptrace\0")?;
-        let control = Control::create(self.pid, tid, insn, name, None, signals)
-            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
-        if let Some(jump) = self.jump.as_mut() {
-            jump.control = Some(control);
-        }
-        Ok(())
-    }
-
-    /// A NUL-terminated name in the target's memory, for `memfd_create`.
-    fn name_in_target(&mut self, _tid: Tid, _signals: &mut Vec<i32>) -> Result<u64, SpaceError> {
-        let at = self
-            .areas
-            .take_anywhere(16)
-            .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
-        self.mem.write(at, b"memptrace\0")?;
-        Ok(at)
-    }
-
     fn hook(
         &mut self,
         tid: Tid,
@@ -446,10 +407,14 @@ impl Space {
                     });
                 }
                 HookKind::Allocator { ref ops, .. } => {
+                    let how = match &self.fallback {
+                        Some(why) => format!("int3: {why}"),
+                        None => "int3".into(),
+                    };
                     changes.planted.push(Planted {
                         module: module.path.clone(),
                         ops: ops.clone(),
-                        how: "int3".into(),
+                        how,
                     });
                     self.plant_int3(tid, module, maps, addr, kind, signals)?;
                 }

@@ -430,13 +430,22 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.push(rdi)?;
     a.push(rsi)?;
     a.push(rdx)?;
-    // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD)...
+    // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD),
+    // unless told not to (`NO_WAKE`: a seccomp filter could kill the
+    // program for it; memptrace finds the full ring by polling)...
+    let mut woken = a.create_label();
     a.mov(rax, spec.control + layout::TRACER_PID)?;
+    a.cmp(
+        qword_ptr(rax + (layout::NO_WAKE - layout::TRACER_PID) as i32),
+        0,
+    )?;
+    a.jne(woken)?;
     a.mov(rdi, qword_ptr(rax))?;
     a.mov(rsi, qword_ptr(rax + 8))?;
     a.mov(edx, libc::SIGCHLD as u32)?;
     a.mov(eax, libc::SYS_tgkill as u32)?;
     a.syscall()?;
+    a.set_label(&mut woken)?;
     // ...and wait on the ring's tail, 1 ms at most, then start over.
     a.mov(eax, libc::SYS_futex as u32)?;
     a.lea(rdi, qword_ptr(r10 + slot::TAIL as i32))?;

@@ -198,6 +198,12 @@ impl Control {
         Ok(control)
     }
 
+    /// The probes must not wake memptrace with `tgkill` (the program's
+    /// seccomp filter forbids it; see `layout::NO_WAKE`).
+    pub fn forbid_wake(&mut self) {
+        self.mem.store(layout::NO_WAKE, 1);
+    }
+
     /// The same images and tables as `parent` (a forked child's area,
     /// replacing the copy it shares with its parent).
     pub fn copy_tables_from(&mut self, parent: &Control) {

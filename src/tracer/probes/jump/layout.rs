@@ -41,6 +41,10 @@ pub const WAIT_TIMESPEC: u64 = 192;
 /// full sends that thread SIGCHLD, which wakes it if it sleeps.
 pub const TRACER_PID: u64 = 256;
 pub const TRACER_TID: u64 = 264;
+/// Not 0: the probe must not send that signal. memptrace sets it in every
+/// area: a seccomp filter the program installs at any time may kill it
+/// for `tgkill`, and memptrace reads the rings every 1 ms anyway.
+pub const NO_WAKE: u64 = 384;
 pub const HEADER_SIZE: u64 = 4096;
 
 pub const MAGIC_VALUE: u64 = u64::from_le_bytes(*b"memptrc1");

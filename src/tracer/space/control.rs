@@ -1,0 +1,143 @@
+//! The control area of a space's jump probes (see
+//! `probes::jump::control`), made as the program's seccomp filter allows,
+//! and the way back to int3 probes when it cannot be made.
+//!
+//! A jump probe waits with `futex` when its ring is full: a process whose
+//! filter does not allow that gets no jump probes. It could also wake
+//! memptrace with `tgkill`, but a filter the program installs later (a
+//! sandbox set up after start) could kill it for that, and memptrace reads
+//! the rings every 1 ms anyway: every control area turns that wake-up off
+//! (`layout::NO_WAKE`). A forked child whose control
+//! area cannot be made (its filter refuses `memfd_create`, say) has its
+//! parent's jump patches in its copy of the code: they are put back and
+//! int3 probes planted on the same functions, before the child runs.
+
+use std::io;
+
+use super::images::LoadedModule;
+use super::{Planted, Space, SpaceError};
+use crate::os::procfs::{self, Mapping};
+use crate::os::ptrace::Tid;
+use crate::os::seccomp as os_seccomp;
+use crate::seccomp;
+use crate::tracer::probes::jump::control::Control;
+use crate::tracer::probes::{HookKind, Probe};
+
+/// Whether the jump probes of the process of the stopped thread `tid` may
+/// wait for room in a full ring: an error when they may not.
+pub fn probe_calls(tid: Tid) -> Result<(), SpaceError> {
+    Ok(seccomp::check(
+        &os_seccomp::filters(tid),
+        &seccomp::probe_wait(),
+    )?)
+}
+
+impl Space {
+    /// Catch the calls of this space (a forked child's, its thread `tid`
+    /// stopped) with int3 probes instead of the jump probes it inherited:
+    /// each jump patch is put back and an int3 planted on its function.
+    /// `why`: what kept the jump probes from recording, for `meta`.
+    pub fn jumps_to_int3(
+        &mut self,
+        tid: Tid,
+        why: &str,
+        signals: &mut Vec<i32>,
+    ) -> Result<Vec<Planted>, SpaceError> {
+        let jumps: Vec<_> = self
+            .hooks
+            .iter()
+            .filter(|h| matches!(h.probe, Probe::Jump { .. }))
+            .cloned()
+            .collect();
+        for hook in &jumps {
+            self.mem.write(hook.addr, &hook.orig)?;
+            self.hooks.forget_in(&(hook.addr..hook.addr + 1));
+        }
+        // From here on the space is one of int3 probes: images mapped later
+        // are hooked with them too.
+        self.jump = None;
+        self.fallback = Some(why.to_string());
+        let maps = procfs::read_maps(self.pid)?;
+        let mut planted = Vec::new();
+        for hook in jumps {
+            let HookKind::Allocator { ref ops, .. } = hook.kind else {
+                continue;
+            };
+            let Some(module) = self.module_at(hook.addr).cloned() else {
+                continue;
+            };
+            self.plant_int3(tid, &module, &maps, hook.addr, hook.kind.clone(), signals)?;
+            planted.push(Planted {
+                module: module.path.clone(),
+                ops: ops.clone(),
+                how: format!("int3: {why}"),
+            });
+        }
+        Ok(planted)
+    }
+
+    /// Give a forked child (this space, made by [`Space::fork_copy`], its
+    /// thread `tid` stopped) a control area of its own at the address of
+    /// its parent's, with the parent's tables: its probes, copies of the
+    /// parent's, then record into memory the parent does not share.
+    pub fn adopt_control(
+        &mut self,
+        tid: Tid,
+        parent: &Control,
+        signals: &mut Vec<i32>,
+    ) -> Result<(), String> {
+        let insn = self.syscall_insn().ok_or("no syscall instruction")?;
+        probe_calls(tid).map_err(|e| e.to_string())?;
+        let name = self
+            .name_in_target(tid, signals)
+            .map_err(|e| e.to_string())?;
+        let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
+            .map_err(|e| crate::error::with_causes(&e))?;
+        control.copy_tables_from(parent);
+        control.forbid_wake();
+        if let Some(jump) = self.jump.as_mut() {
+            jump.control = Some(control);
+        }
+        Ok(())
+    }
+
+    /// Make the control area of the jump probes (once per space).
+    pub(super) fn make_control(
+        &mut self,
+        tid: Tid,
+        near: &LoadedModule,
+        maps: &[Mapping],
+        signals: &mut Vec<i32>,
+    ) -> Result<(), SpaceError> {
+        if let Some(jump) = self.jump.as_mut() {
+            jump.tried = true;
+        }
+        probe_calls(tid)?;
+        let insn = self
+            .syscall_insn()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+        let name = self.room_near(tid, near, maps, 16, signals)?;
+        self.mem.write(name, b"memptrace\0")?;
+        let mut control = Control::create(self.pid, tid, insn, name, None, signals)
+            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
+        control.forbid_wake();
+        if let Some(jump) = self.jump.as_mut() {
+            jump.control = Some(control);
+        }
+        Ok(())
+    }
+
+    /// A NUL-terminated name in the target's memory, for `memfd_create`.
+    pub(super) fn name_in_target(
+        &mut self,
+        _tid: Tid,
+        _signals: &mut Vec<i32>,
+    ) -> Result<u64, SpaceError> {
+        let at = self
+            .areas
+            .take_anywhere(16)
+            .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
+        self.mem.write(at, b"memptrace\0")?;
+        Ok(at)
+    }
+}
