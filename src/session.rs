@@ -368,6 +368,7 @@ impl Recording {
             ("walk_faults", stats.walk_faults.to_string()),
             ("ring_waits", stats.ring_waits.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
+            ("heap_walk_errors", stats.heap_walk_errors.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {

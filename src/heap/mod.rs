@@ -18,6 +18,8 @@
 
 mod dwarf;
 mod glibc;
+mod mmapped;
+mod tcache;
 #[cfg(test)]
 mod tests;
 mod walk;

@@ -7,11 +7,16 @@
 //!
 //! A heap that cannot be mapped (musl, a stripped static binary, glibc
 //! without symbols) is stored with its reason and changes nothing else: no
-//! message, no failed trace.
+//! message, no failed trace. A heap that can, but whose arenas or mmapped
+//! blocks do not read right (a program that wrote over its allocator's
+//! state), is the program's damage, never memptrace's: each part not read
+//! is counted (`heap_walk_errors`) and the map's first reason is a warning.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::process::Role;
 use super::{TraceMsg, Tracer};
-use crate::heap::{self, HeapError, HeapMap};
+use crate::heap::{self, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
 
@@ -20,7 +25,7 @@ impl Tracer {
     /// the blocks live now enter the trace, before any call it records.
     pub(super) fn take_inventory(&mut self, pid: Tid) {
         let ts_ns = self.now_ns();
-        let map = heap::read_process(pid, true);
+        let map = read_heap(pid, true);
         if let Ok(map) = &map {
             let blocks = map.live_blocks();
             let events = self
@@ -45,7 +50,7 @@ impl Tracer {
             .is_some_and(|p| p.role == Role::Traced);
         if traced {
             let ts_ns = self.now_ns();
-            let map = heap::read_process(tid, false);
+            let map = read_heap(tid, false);
             self.send_heap(tid, ts_ns, "exit", map);
         }
     }
@@ -62,18 +67,58 @@ impl Tracer {
         pids.sort_unstable();
         for pid in pids {
             let ts_ns = self.now_ns();
-            let map = heap::read_process(pid, true);
+            let map = read_heap(pid, true);
             self.send_heap(pid, ts_ns, "detach", map);
         }
     }
 
-    fn send_heap(&mut self, pid: Tid, ts_ns: u64, moment: &str, map: Result<HeapMap, HeapError>) {
+    fn send_heap(&mut self, pid: Tid, ts_ns: u64, moment: &str, map: Result<HeapMap, String>) {
+        if let Ok(map) = &map {
+            let errors = walk_errors(map);
+            if let Some(first) = errors.first() {
+                self.stats.heap_walk_errors += errors.len() as u64;
+                self.stats.warnings.push(format!(
+                    "the heap map of process {pid} at {moment}: {} part(s) could not be read \
+                     (the program's allocator state is damaged or was changing): {first}",
+                    errors.len()
+                ));
+            }
+        }
         let snapshot = HeapSnapshot {
             ts_ns,
             pid: pid as u32,
             moment: moment.to_string(),
-            map: map.map_err(|e| e.to_string()),
+            map,
         };
         self.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
     }
+}
+
+/// Map the heap of `pid`. The walk checks every word it reads; should it
+/// panic all the same, the map is lost, never the trace.
+fn read_heap(pid: Tid, stopped: bool) -> Result<HeapMap, String> {
+    match catch_unwind(AssertUnwindSafe(|| heap::read_process(pid, stopped))) {
+        Ok(map) => map.map_err(|e| e.to_string()),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(format!("the heap walk failed: {what}"))
+        }
+    }
+}
+
+/// Why each part of `map` was not read: its arenas, then its mmapped blocks.
+fn walk_errors(map: &HeapMap) -> Vec<String> {
+    map.arenas
+        .iter()
+        .filter_map(|a| Some(format!("arena {:#x}: {}", a.addr, a.error.as_deref()?)))
+        .chain(
+            map.mmapped_error
+                .iter()
+                .map(|e| format!("mmapped blocks: {e}")),
+        )
+        .collect()
 }

@@ -137,6 +137,9 @@ pub struct TraceStats {
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
+    /// Arenas and sets of mmapped blocks the heap maps could not read
+    /// (each map's first reason is a warning).
+    pub heap_walk_errors: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

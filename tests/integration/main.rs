@@ -14,6 +14,7 @@ mod bad_input;
 mod cli;
 mod docs;
 mod faults;
+mod hostile_heap;
 mod mappings;
 mod memory;
 mod probes;

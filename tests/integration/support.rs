@@ -33,9 +33,26 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 18] = [
-    "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
-    "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping", "resident", "heapmap",
+const TRACEES: [&str; 19] = [
+    "api",
+    "threads",
+    "leaks",
+    "deep",
+    "forks",
+    "status",
+    "signals",
+    "victim",
+    "churn",
+    "phases",
+    "shrink",
+    "ticker",
+    "wrappers",
+    "sigalloc",
+    "outrun",
+    "mapping",
+    "resident",
+    "heapmap",
+    "hostile_heap",
 ];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
