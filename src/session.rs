@@ -381,6 +381,7 @@ impl Recording {
             .probes
             .iter()
             .map(|(function, how)| (format!("probe.{function}"), how.clone()))
+            .chain(crate::tracer::pauses::meta_rows(&stats.pauses))
             .collect();
         let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {

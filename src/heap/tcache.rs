@@ -4,9 +4,9 @@
 //! count is at most 65535, a chunk is taken at most once, so a list that
 //! loops makes the candidate no tcache, in at most 64 x 65535 steps.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
-use super::walk::{MINSIZE, reveal};
+use super::walk::{ChunkIndex, MINSIZE, reveal};
 use super::{Arena, ChunkState, Glibc, TCACHE_BINS};
 use crate::memory::Memory;
 
@@ -17,12 +17,18 @@ use crate::memory::Memory;
 /// in-use chunks of its bin's size; one with every list empty only when it
 /// is the first chunk of its arena, where tcache_init puts it.
 pub(super) fn tcaches(mem: &dyn Memory, g: &Glibc, arenas: &mut [Arena]) {
-    let mut index: HashMap<u64, (usize, usize)> = HashMap::new();
-    for (ai, a) in arenas.iter().enumerate() {
-        for (ci, c) in a.chunks.iter().enumerate() {
-            index.insert(c.addr, (ai, ci));
-        }
-    }
+    let index = ChunkIndex::new(
+        arenas
+            .iter()
+            .enumerate()
+            .flat_map(|(ai, a)| {
+                a.chunks
+                    .iter()
+                    .enumerate()
+                    .map(move |(ci, c)| (c.addr, (ai, ci)))
+            })
+            .collect(),
+    );
     let safe_tries: &[bool] = match g.layout.safe_linking {
         Some(s) => {
             if s {
@@ -70,7 +76,7 @@ fn tcache_lists(
     user: u64,
     count_bytes: u64,
     safe: bool,
-    index: &HashMap<u64, (usize, usize)>,
+    index: &ChunkIndex<(usize, usize)>,
     arenas: &[Arena],
 ) -> Option<Vec<(usize, usize)>> {
     let bins = TCACHE_BINS as u64;
@@ -94,7 +100,7 @@ fn tcache_lists(
             if e == 0 || e % 16 != 0 {
                 return None;
             }
-            let &(ai, ci) = index.get(&(e - 16))?;
+            let (ai, ci) = index.get(e - 16)?;
             let c = arenas[ai].chunks[ci];
             if c.state != ChunkState::InUse
                 || c.size.checked_sub(MINSIZE).map(|s| s / 16) != Some(bin)

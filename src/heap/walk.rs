@@ -14,7 +14,7 @@
 //! can be read. A bad value fails its arena, with the reason; the walk
 //! goes on with the next one. It never panics on what it reads.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use super::mmapped::{mmapped, pages};
 use super::tcache::tcaches;
@@ -34,6 +34,24 @@ const MAX_ARENAS: usize = 4096;
 const PIECE: u64 = 16 << 20;
 
 type Walked<T> = Result<T, String>;
+
+/// Chunks by address: sorted pairs looked up by binary search, cheaper to
+/// build than a hash map for the 200 k chunks of a large heap, which is
+/// read while the program waits.
+pub(super) struct ChunkIndex<T>(Vec<(u64, T)>);
+
+impl<T: std::marker::Copy> ChunkIndex<T> {
+    pub(super) fn new(mut pairs: Vec<(u64, T)>) -> ChunkIndex<T> {
+        // Already in address order within each heap: a few runs to merge.
+        pairs.sort_by_key(|&(addr, _)| addr);
+        ChunkIndex(pairs)
+    }
+
+    pub(super) fn get(&self, addr: u64) -> Option<T> {
+        let i = self.0.binary_search_by_key(&addr, |&(a, _)| a).ok()?;
+        Some(self.0[i].1)
+    }
+}
 
 fn word(mem: &dyn Memory, addr: u64) -> Walked<u64> {
     mem.read_u64(addr)
@@ -98,7 +116,10 @@ fn read_range(mem: &dyn Memory, start: u64, end: u64) -> Walked<Vec<u8>> {
     let len = end
         .checked_sub(start)
         .ok_or_else(|| format!("the range {start:#x}..{end:#x} ends before it starts"))?;
-    let mut bytes = Vec::new();
+    // The main arena's range was checked against the mappings, a thread
+    // arena's is at most HEAP_MAX: the length can be reserved at once,
+    // sparing a reallocation and copy per piece.
+    let mut bytes = Vec::with_capacity(len as usize);
     let mut done = 0;
     while done < len {
         let n = (len - done).min(PIECE);
@@ -251,12 +272,13 @@ fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
         };
         walk_heap(mem, &mut a, start, h.end, last.then_some(st.top))?;
     }
-    let index: HashMap<u64, usize> = a
-        .chunks
-        .iter()
-        .enumerate()
-        .map(|(i, c)| (c.addr, i))
-        .collect();
+    let index = ChunkIndex::new(
+        a.chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.addr, i))
+            .collect(),
+    );
     fastbins(mem, g, &mut a, &index)?;
     bins(mem, g, &mut a, &index)?;
     Ok(a)
@@ -330,7 +352,7 @@ fn walk_heap(
 }
 
 /// The fastbins: singly linked through `fd`, mangled since 2.32.
-fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &HashMap<u64, usize>) -> Walked<()> {
+fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -> Walked<()> {
     let l = &g.layout;
     let tries: &[bool] = match l.safe_linking {
         Some(true) => &[true],
@@ -346,8 +368,8 @@ fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &HashMap<u64, usi
                 let mut p = word(mem, add(a.addr, add(l.fastbins, 8 * bin)?)?)?;
                 // Each chunk is taken once: the list ends.
                 while p != 0 {
-                    let &i = index
-                        .get(&p)
+                    let i = index
+                        .get(p)
                         .ok_or_else(|| format!("fastbin {bin}: {p:#x} is no chunk"))?;
                     let c = a.chunks[i];
                     if c.state != ChunkState::InUse
@@ -381,7 +403,7 @@ fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &HashMap<u64, usi
 
 /// The regular bins: doubly linked lists through `fd`/`bk` whose heads are
 /// in `bins` (`bin_at`: a fake chunk 16 bytes before each pair).
-fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &HashMap<u64, usize>) -> Walked<()> {
+fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -> Walked<()> {
     let l = &g.layout;
     let mut binned = vec![false; a.chunks.len()];
     for bin in 1..l.nbins as u64 {
@@ -392,8 +414,8 @@ fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &HashMap<u64, usize>)
         let mut p = word(mem, add(head, 24)?)?;
         // Each chunk is binned once: the list ends.
         while p != head {
-            let &i = index
-                .get(&p)
+            let i = index
+                .get(p)
                 .ok_or_else(|| format!("bin {bin}: {p:#x} is no chunk"))?;
             if a.chunks[i].state != ChunkState::Free || binned[i] {
                 return Err(format!("bin {bin}: chunk {p:#x} is not a free chunk"));

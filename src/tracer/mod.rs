@@ -28,6 +28,7 @@ mod jumps;
 mod ledger;
 mod mappings;
 mod outbox;
+pub mod pauses;
 mod probes;
 mod process;
 mod rings;
@@ -140,6 +141,8 @@ pub struct TraceStats {
     /// Arenas and sets of mmapped blocks the heap maps could not read
     /// (each map's first reason is a warning).
     pub heap_walk_errors: u64,
+    /// Every stop of the whole program by memptrace (attach, detach), timed.
+    pub pauses: Vec<pauses::Pause>,
 }
 
 #[derive(Debug, thiserror::Error)]

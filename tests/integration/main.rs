@@ -17,6 +17,7 @@ mod faults;
 mod hostile_heap;
 mod mappings;
 mod memory;
+mod pauses;
 mod probes;
 mod processes;
 mod report;
