@@ -373,6 +373,7 @@ impl Recording {
             ("damaged_records", stats.damaged.records.to_string()),
             ("damaged_slots", stats.damaged.slots.to_string()),
             ("dropped_slots", stats.damaged.dropped.to_string()),
+            ("heap_walk_errors", stats.heap_walk_errors.to_string()),
             ("duration_ns", self.clock.elapsed().as_nanos().to_string()),
         ];
         if let Some(kib) = procfs::own_peak_rss_kib() {
@@ -385,6 +386,7 @@ impl Recording {
             .probes
             .iter()
             .map(|(function, how)| (format!("probe.{function}"), how.clone()))
+            .chain(crate::tracer::pauses::meta_rows(&stats.pauses))
             .collect();
         let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {

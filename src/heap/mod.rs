@@ -18,6 +18,8 @@
 
 mod dwarf;
 mod glibc;
+mod mmapped;
+mod tcache;
 #[cfg(test)]
 mod tests;
 mod walk;
@@ -369,6 +371,25 @@ pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
         .map_err(|source| HeapError::Denied { pid, source })?;
     let attempts = if stopped { 1 } else { LIVE_ATTEMPTS };
     Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), attempts))
+}
+
+/// Read ahead, while process `pid` still runs, what a map of its heap
+/// will need from its C library or static executable (their symbols and
+/// DWARF: over 100 ms on a loaded machine), so that the map taken while it
+/// is stopped at attach does not wait for it.
+pub fn prepare_process(pid: i32) {
+    let Ok(maps) = procfs::read_maps(pid) else {
+        return;
+    };
+    let exe = procfs::exe(pid);
+    let mut done: Vec<&str> = Vec::new();
+    for m in maps.iter().filter(|m| m.is_file()) {
+        let wanted = is_c_library(&m.path) || exe.as_deref() == Some(std::path::Path::new(&m.path));
+        if wanted && !done.contains(&m.path.as_str()) {
+            prepare(std::path::Path::new(&m.path));
+            done.push(&m.path);
+        }
+    }
 }
 
 /// Map the heap in `mem`, whose allocator `glibc` describes and whose

@@ -4,6 +4,8 @@
 use super::*;
 use crate::memory::Snapshot;
 
+mod hostile;
+
 const ARENA: u64 = 0x7f00_0000_0000;
 const MP: u64 = 0x7f00_0000_2000;
 const HEAP: u64 = 0x5500_0000_0000;
@@ -17,6 +19,15 @@ fn glibc() -> Glibc {
         narenas: None,
         layout: Layout::for_sizes(2200, 136).unwrap(),
     }
+}
+
+/// The mappings of the hand-made process: the brk heap, then `more`
+/// (lines of /proc/PID/maps above it).
+fn maps(more: &str) -> Vec<crate::os::procfs::Mapping> {
+    crate::os::procfs::parse_maps(&format!(
+        "{HEAP:x}-{:x} rw-p 00000000 00:00 0 [heap]\n{more}",
+        HEAP + HEAP_SIZE
+    ))
 }
 
 /// A hand-made heap: chunk sizes and states, laid out from HEAP; the last
@@ -100,7 +111,7 @@ impl Builder {
     }
 
     fn read(&self) -> HeapMap {
-        read_heap(&self.memory(), &glibc(), &[], &NoResidency, 1)
+        read_heap(&self.memory(), &glibc(), &maps(""), &NoResidency, 1)
     }
 }
 
@@ -250,7 +261,7 @@ fn a_tcache_whose_count_disagrees_is_a_plain_block() {
 fn a_locked_arena_is_read_again_then_marked() {
     let mut b = sample();
     b.arena[0] = 1;
-    let map = read_heap(&b.memory(), &glibc(), &[], &NoResidency, 3);
+    let map = read_heap(&b.memory(), &glibc(), &maps(""), &NoResidency, 3);
     assert!(map.arenas[0].locked);
     // Its copy was still consistent: it is read, and said to be locked.
     assert_eq!(map.arenas[0].error, None);
@@ -277,7 +288,7 @@ fn finds_mmapped_blocks_and_moved_aligned_ones() {
         .with(MP, &mp)
         .with(HEAP, &b.heap)
         .with(base, &region);
-    let maps = crate::os::procfs::parse_maps(&format!(
+    let maps = maps(&format!(
         "{base:x}-{:x} rw-p 00000000 00:00 0\n",
         base + 0x6000
     ));

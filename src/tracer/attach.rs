@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::detach::Stopping;
+use super::pauses::PauseClock;
 use super::process::{Process, Role};
 use super::space::Space;
 use super::stop::Stopped;
@@ -54,6 +55,9 @@ impl Tracer {
             }
             Some(_) => {}
         }
+        // Before a thread stops: the heap map at attach then finds its
+        // allocator's layout ready.
+        crate::heap::prepare_process(pid);
         let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
         tracer.control.attached = true;
         tracer
@@ -86,7 +90,9 @@ impl Tracer {
 
     /// Stop every seized thread, hook the images, resume them.
     fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
+        let mut pause = PauseClock::start("attach");
         let resume = self.stop_all(pid, seized)?;
+        pause.lap("stop");
         // Every thread stands still: from now on, memptrace's death is the
         // program's (int3 bytes without a tracer would kill it anyway).
         for &tid in resume.keys() {
@@ -134,7 +140,9 @@ impl Tracer {
                 None => TraceError::NoAllocator(pid),
             });
         }
-        self.take_inventory(pid);
+        pause.lap("hook");
+        let inventory = self.take_inventory(pid);
+        pause.lap("inventory");
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.
         for &tid in resume.keys() {
@@ -161,6 +169,9 @@ impl Tracer {
                 }
             }
         }
+        pause.lap("resume");
+        self.stats.pauses.push(pause.finish());
+        self.send_inventory(inventory);
         Ok(())
     }
 

@@ -15,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use super::inject::InjectError;
+use super::pauses::PauseClock;
 use super::probes::int3::{self, InStub, RETURN_INT3};
 use super::process::{Child, Process, Role};
 use super::space::SpaceError;
@@ -86,10 +87,11 @@ impl Tracer {
             .filter(|t| !held.contains_key(t))
             .copied()
             .collect();
-        self.restore_and_release(deliver, &stuck, &HashSet::new())
+        self.restore_and_release(deliver, &stuck, &HashSet::new(), None)
     }
 
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
+        let mut pause = PauseClock::start("detach");
         let mut waiting: HashSet<Tid> = HashSet::new();
         let mut deliver: HashMap<Tid, i32> = HashMap::new();
         // Threads already stopped (an attach that failed) report nothing
@@ -219,7 +221,8 @@ impl Tracer {
             }
         }
         let late: HashSet<Tid> = waiting.difference(&stuck).copied().collect();
-        self.restore_and_release(deliver, &stuck, &late)
+        pause.lap("stop");
+        self.restore_and_release(deliver, &stuck, &late, Some(pause))
     }
 
     /// Threads blocked in a vfork until their child execs or exits.
@@ -235,14 +238,22 @@ impl Tracer {
     /// Put back what was changed, then detach every thread: return addresses,
     /// threads standing in a trampoline slot (moved to the same place in the
     /// original code), the int3 bytes, and last the trampoline pages.
+    /// `pause`: the detach's stop, timed from its start, to be ended here.
     fn restore_and_release(
         &mut self,
         mut deliver: HashMap<Tid, i32>,
         stuck: &HashSet<Tid>,
         late: &HashSet<Tid>,
+        mut pause: Option<PauseClock>,
     ) -> Result<(), TraceError> {
+        let mut lap = |name| {
+            if let Some(p) = pause.as_mut() {
+                p.lap(name)
+            }
+        };
         // Every thread is stopped: copies not made yet are read now.
         self.settle_all(true);
+        lap("settle");
         // Spaces whose pages must stay: a thread is somewhere in them that
         // cannot be mapped back to the original code, or will return there,
         // or did not stop.
@@ -261,7 +272,8 @@ impl Tracer {
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
         self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
-        self.map_heaps_at_detach();
+        lap("leave_probes");
+        let heaps = self.heaps_to_map();
         // Allocator calls, and mapping calls, entered through a stub.
         let mut pending: Vec<(Tid, Tid, u64, u64)> = Vec::new();
         for (&tid, t) in self.family.threads.iter_mut() {
@@ -424,6 +436,7 @@ impl Tracer {
                 ));
             }
         }
+        lap("restore");
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
             ptrace::unless_gone(ptrace::detach(tid, sig))?;
@@ -438,6 +451,11 @@ impl Tracer {
             };
             let _ = ptrace::unless_gone(ptrace::detach(tid, sig));
         }
+        lap("release");
+        if let Some(pause) = pause {
+            self.stats.pauses.push(pause.finish());
+        }
+        self.map_heaps_after_detach(heaps);
         self.family.threads.clear();
         self.family.processes.clear();
         self.detach_later(later, deferred);

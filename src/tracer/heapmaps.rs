@@ -2,36 +2,71 @@
 //! `heap_snapshots` row: at attach, where the blocks already live become
 //! `inventory` events in the ledger (so their frees pair with them and
 //! leaks and peak count them); at the exit of a traced process, stopped at
-//! PTRACE_EVENT_EXIT with its memory still there (`ptrace(2)`); and at
-//! detach, every thread stopped.
+//! PTRACE_EVENT_EXIT with its memory still there (`ptrace(2)`); and just
+//! after the detach, the program running again: read as a live process's
+//! heap (each arena copied while its mutex is free), so that a large heap
+//! does not lengthen the detach's stop (it took 220-330 ms of a 200 k-block
+//! heap's, docs/performance.md).
 //!
 //! A heap that cannot be mapped (musl, a stripped static binary, glibc
 //! without symbols) is stored with its reason and changes nothing else: no
-//! message, no failed trace.
+//! message, no failed trace. A heap that can, but whose arenas or mmapped
+//! blocks do not read right, is the program's business, never memptrace's
+//! failure: each part not read is counted (`heap_walk_errors`). Most are a
+//! call in flight (a thread stopped inside the allocator holds its arena's
+//! mutex); an arena that fails while no thread held it was damaged (a
+//! program that wrote over its allocator's state), and that is a warning.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::process::Role;
 use super::{TraceMsg, Tracer};
-use crate::heap::{self, HeapError, HeapMap};
+use crate::event::Event;
+use crate::heap::{self, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
 
+/// The heap at attach, taken while the program waits, to be sent on once
+/// it runs again ([`Tracer::send_inventory`]).
+pub(super) struct Inventory {
+    pid: Tid,
+    ts_ns: u64,
+    events: Vec<Event>,
+    map: Result<HeapMap, String>,
+}
+
 impl Tracer {
     /// At attach, every thread of `pid` stopped and the hooks in place:
-    /// the blocks live now enter the trace, before any call it records.
-    pub(super) fn take_inventory(&mut self, pid: Tid) {
+    /// the blocks live now enter the ledger, before any call it records.
+    pub(super) fn take_inventory(&mut self, pid: Tid) -> Inventory {
         let ts_ns = self.now_ns();
-        let map = heap::read_process(pid, true);
+        let map = read_heap(pid, true);
+        let mut events = Vec::new();
         if let Ok(map) = &map {
             let blocks = map.live_blocks();
-            let events = self
+            events = self
                 .ledger
                 .inventory(pid as u32, pid as u32, ts_ns, &blocks);
-            for event in events {
-                self.send(TraceMsg::Record(Record::Event(event)));
-            }
             self.progress.update(&self.ledger);
         }
-        self.send_heap(pid, ts_ns, "attach", map);
+        Inventory {
+            pid,
+            ts_ns,
+            events,
+            map,
+        }
+    }
+
+    /// Send the inventory's events and map on, the program running again:
+    /// handing 200 k events to the pipeline waits for it to make room (a
+    /// third of the attach's stop, docs/performance.md). They still come
+    /// before any call recorded: the rings and the stops are read only
+    /// once the wait loop takes over.
+    pub(super) fn send_inventory(&mut self, inventory: Inventory) {
+        for event in inventory.events {
+            self.send(TraceMsg::Record(Record::Event(event)));
+        }
+        self.send_heap(inventory.pid, inventory.ts_ns, "attach", inventory.map);
     }
 
     /// The main thread of a traced process is exiting: its heap as it was
@@ -45,13 +80,13 @@ impl Tracer {
             .is_some_and(|p| p.role == Role::Traced);
         if traced {
             let ts_ns = self.now_ns();
-            let map = heap::read_process(tid, false);
+            let map = read_heap(tid, false);
             self.send_heap(tid, ts_ns, "exit", map);
         }
     }
 
-    /// At detach, every thread of every traced process stopped.
-    pub(super) fn map_heaps_at_detach(&mut self) {
+    /// The traced processes, whose heaps are mapped once they are let go.
+    pub(super) fn heaps_to_map(&self) -> Vec<Tid> {
         let mut pids: Vec<Tid> = self
             .family
             .processes
@@ -60,20 +95,60 @@ impl Tracer {
             .map(|(&pid, _)| pid)
             .collect();
         pids.sort_unstable();
+        pids
+    }
+
+    /// Just after the detach, the processes `pids` running again.
+    pub(super) fn map_heaps_after_detach(&mut self, pids: Vec<Tid>) {
         for pid in pids {
             let ts_ns = self.now_ns();
-            let map = heap::read_process(pid, true);
+            let map = read_heap(pid, false);
             self.send_heap(pid, ts_ns, "detach", map);
         }
     }
 
-    fn send_heap(&mut self, pid: Tid, ts_ns: u64, moment: &str, map: Result<HeapMap, HeapError>) {
+    fn send_heap(&mut self, pid: Tid, ts_ns: u64, moment: &str, map: Result<HeapMap, String>) {
+        if let Ok(map) = &map {
+            let errors = walk_errors(map);
+            self.stats.heap_walk_errors += errors;
+            let damaged = map.arenas.iter().find(|a| a.error.is_some() && !a.locked);
+            if let Some(a) = damaged {
+                self.stats.warnings.push(format!(
+                    "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \
+                     arena {:#x}, which no thread held, is damaged: {}",
+                    a.addr,
+                    a.error.as_deref().unwrap_or_default()
+                ));
+            }
+        }
         let snapshot = HeapSnapshot {
             ts_ns,
             pid: pid as u32,
             moment: moment.to_string(),
-            map: map.map_err(|e| e.to_string()),
+            map,
         };
         self.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
     }
+}
+
+/// Map the heap of `pid`. The walk checks every word it reads; should it
+/// panic all the same, the map is lost, never the trace.
+fn read_heap(pid: Tid, stopped: bool) -> Result<HeapMap, String> {
+    match catch_unwind(AssertUnwindSafe(|| heap::read_process(pid, stopped))) {
+        Ok(map) => map.map_err(|e| e.to_string()),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(format!("the heap walk failed: {what}"))
+        }
+    }
+}
+
+/// Parts of `map` not read: its arenas that failed, and its mmapped blocks.
+fn walk_errors(map: &HeapMap) -> u64 {
+    let arenas = map.arenas.iter().filter(|a| a.error.is_some()).count() as u64;
+    arenas + u64::from(map.mmapped_error.is_some())
 }

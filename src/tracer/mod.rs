@@ -29,6 +29,7 @@ mod jumps;
 mod ledger;
 mod mappings;
 mod outbox;
+pub mod pauses;
 mod probes;
 mod process;
 mod rings;
@@ -145,6 +146,11 @@ pub struct TraceStats {
     pub skipped_records: u64,
     /// Damage the program did to the memory it shares with memptrace.
     pub damaged: probes::jump::control::Damaged,
+    /// Arenas and sets of mmapped blocks the heap maps could not read
+    /// (each map's first reason is a warning).
+    pub heap_walk_errors: u64,
+    /// Every stop of the whole program by memptrace (attach, detach), timed.
+    pub pauses: Vec<pauses::Pause>,
 }
 
 #[derive(Debug, thiserror::Error)]

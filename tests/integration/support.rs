@@ -39,6 +39,9 @@ const TRACEES: [&str; 20] = [
     "spawner", "scribble",
 ];
 
+/// Tracees of the heap walker's untrusted input and of the attach's pauses.
+const MORE_TRACEES: [&str; 2] = ["hostile_heap", "gaps"];
+
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
 /// each tracee function really calls the allocator and stays on the stack.
 const CFLAGS: [&str; 4] = ["-O1", "-g", "-fno-optimize-sibling-calls", "-pthread"];
@@ -111,7 +114,7 @@ fn compile(variant: Variant, sources: &[&str], out: &Path, extra: &[&str]) {
 fn build_variant(variant: Variant) -> PathBuf {
     let dir = variant.dir();
     std::fs::create_dir_all(&dir).unwrap();
-    for name in TRACEES {
+    for name in TRACEES.iter().chain(&MORE_TRACEES) {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
     // No unwind tables, frame pointers: the unwinders' fallback. Without
