@@ -14,5 +14,6 @@ pub mod mem;
 pub mod procfs;
 pub mod ptrace;
 pub mod resident;
+pub mod sentinel;
 pub mod shared;
 pub mod signals;

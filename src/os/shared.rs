@@ -12,7 +12,7 @@
 use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::ptrace::Tid;
 
@@ -96,6 +96,15 @@ impl SharedMemory {
         // SAFETY: in bounds and aligned (checked); AtomicU64 has the layout
         // of u64, and the other side writes the word with one store.
         unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+    }
+
+    /// The 4-byte word at `offset` (a futex word: see `sentinel`).
+    pub fn word32(&self, offset: u64) -> &AtomicU32 {
+        let offset = offset as usize;
+        assert!(offset % 4 == 0 && offset + 4 <= self.len, "{offset:#x}");
+        // SAFETY: in bounds and aligned (checked); AtomicU32 has the layout
+        // of u32.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU32) }
     }
 
     /// The word at `offset`, with everything the writer stored before it.

@@ -74,8 +74,8 @@ impl Tracer {
             Err(err) => {
                 // Let go of what was seized: the threads that stopped are
                 // detached (what was planted is put back first); those that
-                // never stopped have no EXITKILL and are released by the
-                // kernel when memptrace exits.
+                // never stopped are released by the kernel when memptrace
+                // exits (no thread of an attached process has EXITKILL).
                 if let Err(detach) = tracer.let_go_held() {
                     eprintln!("memptrace: warning: letting process {pid} go: {detach}");
                 }
@@ -87,11 +87,6 @@ impl Tracer {
     /// Stop every seized thread, hook the images, resume them.
     fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
         let resume = self.stop_all(pid, seized)?;
-        // Every thread stands still: from now on, memptrace's death is the
-        // program's (int3 bytes without a tracer would kill it anyway).
-        for &tid in resume.keys() {
-            ptrace::unless_gone(ptrace::set_options(tid, ptrace::OPTIONS))?;
-        }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
         let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_)));
@@ -111,6 +106,10 @@ impl Tracer {
             return Err(TraceError::NoAllocator(pid));
         }
         self.take_inventory(pid);
+        // Slots now: an int3 stop for one is fatal if memptrace dies in it.
+        for &tid in resume.keys() {
+            self.register_early(tid);
+        }
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.
         for &tid in resume.keys() {
@@ -253,10 +252,9 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
                 continue;
             }
             new = true;
-            // Without EXITKILL until the thread has stopped: a thread that
-            // never stops for the attach (a frozen cgroup) must not be killed
-            // when memptrace gives up and exits. See `Tracer::hook_stopped`.
-            match ptrace::seize(tid, ptrace::OPTIONS & !libc::PTRACE_O_EXITKILL) {
+            // Never EXITKILL: memptrace's death must not kill a process it
+            // attached to (see `tracer::failopen`).
+            match ptrace::seize(tid, ptrace::ATTACH_OPTIONS) {
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile.
                 Err(err) if err.raw_os_error() == Some(libc::ESRCH) && tid != pid => {}

@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod failopen;
 mod heapmaps;
 mod images;
 mod inject;
@@ -134,6 +135,9 @@ pub struct TraceStats {
     /// How each allocator function was hooked: (`<image>:<function>`,
     /// `jump` or `int3` and why).
     pub probes: Vec<(String, String)>,
+    /// Calls jump probes let through unrecorded because memptrace did not
+    /// answer for about a second (attach: see `failopen`).
+    pub let_through: u64,
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
@@ -267,7 +271,10 @@ impl Tracer {
             } else {
                 1
             };
-            Catch::Jump { max_frames }
+            Catch::Jump {
+                max_frames,
+                alive_ticks: self.alive_ticks(),
+            }
         } else {
             Catch::Int3 {
                 buffers: self.copies_wanted(),
@@ -299,6 +306,7 @@ impl Tracer {
         for pid in pids {
             self.count_probes(pid);
         }
+        self.warn_let_through();
         let flushed = self.flush();
         let ending = ending?;
         flushed?;
@@ -316,6 +324,7 @@ impl Tracer {
                 break;
             }
             if self.ticked() {
+                self.beat();
                 if let Some(clock) = self.tsc.as_mut() {
                     clock.refine(
                         self.clock.elapsed().as_nanos() as u64,
@@ -433,6 +442,9 @@ impl Tracer {
     /// Resume a thread, delivering `sig`. A thread that vanished meanwhile
     /// (killed) is not an error: its exit is reported by waitpid.
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
+        // The heartbeat is fresh whenever a thread runs (after an attach
+        // that kept every thread stopped for longer than a beat, too).
+        self.beat();
         Ok(ptrace::unless_gone(ptrace::cont(tid, sig))?)
     }
 

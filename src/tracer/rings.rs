@@ -82,6 +82,11 @@ impl TscClock {
         }
     }
 
+    /// Counter ticks in `d`, at the rate measured so far.
+    pub fn ticks_in(&self, d: Duration) -> u64 {
+        (self.ticks_per_ns * d.as_nanos() as f64) as u64
+    }
+
     /// The trace time of counter value `tsc`.
     pub fn ns(&mut self, tsc: u64) -> u64 {
         let since = tsc.saturating_sub(self.tsc0) as f64 / self.ticks_per_ns;
@@ -260,6 +265,7 @@ impl Tracer {
             self.stats.nested_calls += c.nested + nested;
             self.stats.lost_returns += c.abandoned + abandoned;
             self.stats.ring_waits += c.waits + waits;
+            self.stats.let_through += c.let_through();
         }
     }
 }
