@@ -92,6 +92,14 @@ fn sigkill_of_memptrace_in_the_middle_of_a_trace() {
     }
     assert!(!out.stderr.contains("would kill"), "{}", out.stderr);
     // The kernel let it go: no tracer, and it runs on.
+    let state = proc_status(pid, "State").unwrap_or_default();
+    if state.starts_with('Z') {
+        let end = target.finish();
+        panic!(
+            "the process died with memptrace: {:?}\n{}",
+            end.status, end.stderr
+        );
+    }
     assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
     assert!(
         !trampoline_pages(pid).is_empty(),

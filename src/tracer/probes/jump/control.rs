@@ -79,7 +79,8 @@ struct Entry {
 }
 
 pub struct Control {
-    /// Holds `ALIVE_WORD` while memptrace lives (see `os::sentinel`).
+    /// Holds `ALIVE_WORD` while memptrace lives (see `os::sentinel`): made
+    /// on the tracer thread, the one that creates every control area.
     sentinel: Option<Sentinel>,
     /// The area's address in the target.
     pub remote: u64,
@@ -415,7 +416,8 @@ impl Drop for Control {
     /// let every call through rather than trap or wait for memptrace.
     fn drop(&mut self) {
         self.mem.store(layout::GONE, 1);
-        // Clears the word, before the mapping goes.
+        // Clears the word and leaves the kernel's list, before the mapping
+        // goes.
         self.sentinel = None;
         self.mem
             .word32(layout::ALIVE_WORD)
