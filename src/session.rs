@@ -114,6 +114,10 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         recording.clock,
         recording.progress.clone(),
     )?;
+    recording.records.send(vec![meta_record(
+        "on_memptrace_death",
+        "killed with it: launched under memptrace (PTRACE_O_EXITKILL)".to_string(),
+    )])?;
     let (ending, stats, pipeline) = recording.trace(tracer)?;
     if ending == Ending::Exited(127) {
         if let Some(err) = child.exec_error() {
@@ -161,6 +165,17 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
             return Err(attach_error(err));
         }
     };
+    // What memptrace's death would do to the process, said once at the start.
+    let death = match tracer.int3s_left(pid) {
+        Some(why) => {
+            eprintln!("memptrace: warning: {why}");
+            format!("kills it: {why}")
+        }
+        None => "runs on: the probes let calls through unrecorded".to_string(),
+    };
+    recording
+        .records
+        .send(vec![meta_record("on_memptrace_death", death)])?;
     let (ending, stats, pipeline) = recording.trace(tracer)?;
     // Detached as asked, memptrace did its job: 0. The process ending
     // during the trace is reported as a launched program's end would be.
@@ -369,6 +384,7 @@ impl Recording {
             ("copy_faults", stats.copy_faults.to_string()),
             ("walk_faults", stats.walk_faults.to_string()),
             ("ring_waits", stats.ring_waits.to_string()),
+            ("let_through_calls", stats.let_through.to_string()),
             ("skipped_records", stats.skipped_records.to_string()),
             ("damaged_records", stats.damaged.records.to_string()),
             ("damaged_slots", stats.damaged.slots.to_string()),

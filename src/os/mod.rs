@@ -15,5 +15,6 @@ pub mod procfs;
 pub mod ptrace;
 pub mod resident;
 pub mod seccomp;
+pub mod sentinel;
 pub mod shared;
 pub mod signals;

@@ -13,9 +13,10 @@ pub type Tid = i32;
 
 const PTRACE_EVENT_STOP: i32 = 128;
 
-/// Options set on every tracee (`ptrace(2)`, PTRACE_SETOPTIONS). EXITKILL makes
-/// the kernel kill the target when memptrace dies, so a target is never left
-/// running with int3 bytes in it and nobody to handle them.
+/// Options set on a launched program (`ptrace(2)`, PTRACE_SETOPTIONS). EXITKILL
+/// makes the kernel kill it when memptrace dies: it was started under
+/// memptrace, and is never left running with int3 bytes in it and nobody to
+/// handle them.
 pub const OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD
     | libc::PTRACE_O_EXITKILL
     | libc::PTRACE_O_TRACECLONE
@@ -23,6 +24,13 @@ pub const OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD
     | libc::PTRACE_O_TRACEVFORK
     | libc::PTRACE_O_TRACEEXEC
     | libc::PTRACE_O_TRACEEXIT;
+
+/// Options set on a process memptrace attaches to: the same without EXITKILL.
+/// memptrace's death must not kill a process the user did not start under it
+/// (its probes fail open: see `tracer::failopen`). Threads and children the
+/// kernel attaches automatically get their parent's options, so none of the
+/// process's own threads or children gets EXITKILL either.
+pub const ATTACH_OPTIONS: libc::c_int = OPTIONS & !libc::PTRACE_O_EXITKILL;
 
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
     if ret == -1 {

@@ -12,7 +12,7 @@
 use std::fs::OpenOptions;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use super::ptrace::Tid;
 
@@ -61,25 +61,47 @@ unsafe impl Sync for SharedMemory {}
 
 impl SharedMemory {
     pub fn map(fd: &OwnedFd, len: usize) -> io::Result<SharedMemory> {
-        // SAFETY: a new shared mapping of an open file, placed by the
-        // kernel; unmapped in Drop, never handed out as a slice.
-        let ptr = unsafe {
-            libc::mmap(
+        // SAFETY: a new private anonymous range placed by the kernel, its
+        // first page kept private (see `private_page`), the rest replaced
+        // by a shared mapping of an open file; both unmapped in Drop, never
+        // handed out as slices.
+        unsafe {
+            let base = libc::mmap(
                 std::ptr::null_mut(),
+                len + PRIVATE_PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            let ptr = libc::mmap(
+                base.cast::<u8>().add(PRIVATE_PAGE).cast(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
                 fd.as_raw_fd(),
                 0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+            );
+            if ptr == libc::MAP_FAILED {
+                let err = io::Error::last_os_error();
+                libc::munmap(base, len + PRIVATE_PAGE);
+                return Err(err);
+            }
+            Ok(SharedMemory {
+                ptr: ptr.cast(),
+                len,
+            })
         }
-        Ok(SharedMemory {
-            ptr: ptr.cast(),
-            len,
-        })
+    }
+
+    /// The page of memptrace's own memory just before the mapping, which
+    /// the target cannot write: where the kernel's list of robust futexes
+    /// finds its entry for a word of the mapping (see `sentinel`).
+    pub(super) fn private_page(&self) -> *mut u8 {
+        self.ptr.wrapping_sub(PRIVATE_PAGE)
     }
 
     pub fn len(&self) -> usize {
@@ -100,6 +122,17 @@ impl SharedMemory {
         // SAFETY: in bounds and aligned (checked); AtomicU64 has the layout
         // of u64, and the other side writes the word with one store.
         Some(unsafe { &*(self.ptr.add(offset) as *const AtomicU64) })
+    }
+
+    /// The 4-byte word at `offset` (a futex word: see `sentinel`), at an
+    /// offset memptrace chose (a layout constant, never a value read from
+    /// the target).
+    pub fn word32(&self, offset: u64) -> &AtomicU32 {
+        let offset = offset as usize;
+        assert!(offset % 4 == 0 && offset + 4 <= self.len, "{offset:#x}");
+        // SAFETY: in bounds and aligned (checked); AtomicU32 has the layout
+        // of u32.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU32) }
     }
 
     /// The byte range `offset..offset + len` if it lies in the mapping.
@@ -219,12 +252,16 @@ impl SharedMemory {
 
 impl Drop for SharedMemory {
     fn drop(&mut self) {
-        // SAFETY: our own mapping of `len` bytes, no longer used.
+        // SAFETY: our own mappings: the private page and `len` bytes after
+        // it, no longer used.
         unsafe {
-            libc::munmap(self.ptr.cast(), self.len);
+            libc::munmap(self.private_page().cast(), self.len + PRIVATE_PAGE);
         }
     }
 }
+
+/// Bytes of private memory before each shared mapping.
+pub const PRIVATE_PAGE: usize = 4096;
 
 #[cfg(test)]
 mod tests {

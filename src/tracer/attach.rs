@@ -78,8 +78,8 @@ impl Tracer {
             Err(err) => {
                 // Let go of what was seized: the threads that stopped are
                 // detached (what was planted is put back first); those that
-                // never stopped have no EXITKILL and are released by the
-                // kernel when memptrace exits.
+                // never stopped are released by the kernel when memptrace
+                // exits (no thread of an attached process has EXITKILL).
                 if let Err(detach) = tracer.let_go_held() {
                     eprintln!("memptrace: warning: letting process {pid} go: {detach}");
                 }
@@ -93,11 +93,6 @@ impl Tracer {
         let mut pause = PauseClock::start("attach");
         let resume = self.stop_all(pid, seized)?;
         pause.lap("stop");
-        // Every thread stands still: from now on, memptrace's death is the
-        // program's (int3 bytes without a tracer would kill it anyway).
-        for &tid in resume.keys() {
-            ptrace::unless_gone(ptrace::set_options(tid, ptrace::OPTIONS))?;
-        }
         // A stopped thread runs the injected mmap calls that map the
         // trampoline pages: the leader if it can, a thread in group-stop last.
         // A thread of the process itself (a vfork child born meanwhile shares
@@ -143,6 +138,10 @@ impl Tracer {
         pause.lap("hook");
         let inventory = self.take_inventory(pid);
         pause.lap("inventory");
+        // Slots now: an int3 stop for one is fatal if memptrace dies in it.
+        for &tid in resume.keys() {
+            self.register_early(tid);
+        }
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.
         for &tid in resume.keys() {
@@ -290,10 +289,9 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
                 continue;
             }
             new = true;
-            // Without EXITKILL until the thread has stopped: a thread that
-            // never stops for the attach (a frozen cgroup) must not be killed
-            // when memptrace gives up and exits. See `Tracer::hook_stopped`.
-            match ptrace::seize(tid, ptrace::OPTIONS & !libc::PTRACE_O_EXITKILL) {
+            // Never EXITKILL: memptrace's death must not kill a process it
+            // attached to (see `tracer::failopen`).
+            match ptrace::seize(tid, ptrace::ATTACH_OPTIONS) {
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile, or is exiting (the kernel refuses a
                 // thread whose exit has begun with EPERM), or it is already

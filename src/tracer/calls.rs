@@ -68,6 +68,17 @@ impl Tracer {
                 let Probe::Jump { code, .. } = &hook.probe else {
                     unreachable!("a miss is a jump probe's")
                 };
+                if hook.kind == HookKind::DebugState {
+                    // The gate of `_dl_debug_state` (see `failopen`): on to
+                    // its displaced `ret` once the images are read.
+                    let on = code.displaced;
+                    let signals = if recording {
+                        self.refresh_images(pid, tid)?
+                    } else {
+                        Vec::new()
+                    };
+                    return self.redirect(tid, regs, on, signals);
+                }
                 return self.on_miss(tid, pid, regs, code.entry);
             }
             return self.resume(tid, libc::SIGTRAP);

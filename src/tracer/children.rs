@@ -61,6 +61,7 @@ impl Tracer {
         match child {
             Child::Thread { pid } => {
                 self.add_thread(tid, pid);
+                self.register_early(tid);
                 // A thread born while its process stops (SIGSTOP, SIGTSTP)
                 // starts in that group-stop: it stays stopped with the rest.
                 self.resume_from(tid, first)

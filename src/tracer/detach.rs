@@ -421,9 +421,9 @@ impl Tracer {
                         last_error = None;
                         break;
                     }
-                    Err(SpaceError::Inject(
-                        err @ (InjectError::Gone | InjectError::InVfork),
-                    )) => last_error = Some(SpaceError::Inject(err)),
+                    Err(SpaceError::Inject(err @ (InjectError::Gone | InjectError::InVfork))) => {
+                        last_error = Some(SpaceError::Inject(err))
+                    }
                     Err(err) => {
                         last_error = Some(err);
                         break;

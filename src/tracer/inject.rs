@@ -154,7 +154,9 @@ fn leave_system_call(tid: Tid, signals: &mut Vec<i32>) -> Result<(), InjectError
             Ok(())
         }
         // The wait loop must still see how the thread ended (see `syscall`).
-        Some(stop @ (Stop::Exited(_) | Stop::Killed { .. } | Stop::Event(libc::PTRACE_EVENT_EXIT))) => {
+        Some(
+            stop @ (Stop::Exited(_) | Stop::Killed { .. } | Stop::Event(libc::PTRACE_EVENT_EXIT)),
+        ) => {
             ptrace::keep_for_later(tid, stop);
             Err(InjectError::Gone)
         }

@@ -118,7 +118,7 @@ impl Tracer {
     }
 
     /// The mapping holding a thread's stack (the probes read nothing else).
-    fn stack_range(&mut self, tid: Tid, pid: Tid, sp: u64) -> std::ops::Range<u64> {
+    pub(super) fn stack_range(&mut self, tid: Tid, pid: Tid, sp: u64) -> std::ops::Range<u64> {
         let end = self.stack_top(tid, pid, sp);
         let start = self
             .family

@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod failopen;
 mod failure;
 mod heapmaps;
 mod images;
@@ -141,6 +142,9 @@ pub struct TraceStats {
     /// What a detach could not finish (a thread that never stopped to be
     /// let go): memptrace then exits non-zero and says so.
     pub detach_left: Vec<String>,
+    /// Calls jump probes let through unrecorded because memptrace did not
+    /// answer for about a second (attach: see `failopen`).
+    pub let_through: u64,
     /// Sequence numbers of jump probes never seen (a thread that left a
     /// probe halfway through committing a record).
     pub skipped_records: u64,
@@ -286,7 +290,10 @@ impl Tracer {
             } else {
                 1
             };
-            Catch::Jump { max_frames }
+            Catch::Jump {
+                max_frames,
+                alive_ticks: self.alive_ticks(),
+            }
         } else {
             Catch::Int3 {
                 buffers: self.copies_wanted(),
@@ -332,6 +339,7 @@ impl Tracer {
         for pid in pids {
             self.count_probes(pid);
         }
+        self.warn_let_through();
         self.flush()
     }
 
@@ -346,6 +354,7 @@ impl Tracer {
             }
             if self.ticked() {
                 failure::panic_if_asked(self.ledger.events());
+                self.beat();
                 if let Some(clock) = self.tsc.as_mut() {
                     clock.refine(
                         self.clock.elapsed().as_nanos() as u64,
@@ -463,6 +472,9 @@ impl Tracer {
     /// Resume a thread, delivering `sig`. A thread that vanished meanwhile
     /// (killed) is not an error: its exit is reported by waitpid.
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
+        // The heartbeat is fresh whenever a thread runs (after an attach
+        // that kept every thread stopped for longer than a beat, too).
+        self.beat();
         Ok(ptrace::unless_gone(ptrace::cont(tid, sig))?)
     }
 

@@ -88,6 +88,11 @@ impl TscClock {
         }
     }
 
+    /// Counter ticks in `d`, at the rate measured so far.
+    pub fn ticks_in(&self, d: Duration) -> u64 {
+        (self.ticks_per_ns * d.as_nanos() as f64) as u64
+    }
+
     /// The trace time of counter value `tsc`, read by memptrace at trace
     /// time `now_ns` (or later): never past `now_ns`, nor before the last
     /// time given. `None` for a value that lies more than [`CLOCK_SLACK`]
@@ -321,6 +326,7 @@ impl Tracer {
                 .ring_waits
                 .saturating_add(c.waits.saturating_add(waits));
             stats.damaged.add(&damaged);
+            stats.let_through = stats.let_through.saturating_add(c.let_through());
         }
     }
 }

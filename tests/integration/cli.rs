@@ -96,7 +96,7 @@ fn options_before_attach() {
         b"",
     );
     assert_eq!(out.code(), 0, "{}", out.stderr);
-    assert_eq!(out.stderr, "");
+    assert_eq!(crate::support::without_death_warning(&out.stderr), "");
     let t = open_trace(&db, out);
     assert_eq!(t.meta("mode").as_deref(), Some("attach"));
     assert_eq!(t.meta("pid"), Some(pid.clone()));

@@ -13,6 +13,7 @@ mod attach;
 mod bad_input;
 mod cli;
 mod docs;
+mod failopen;
 mod faults;
 mod hostile;
 mod hostile_heap;

@@ -7,8 +7,8 @@ use std::process::Command;
 
 use crate::attach::trampoline_pages;
 use crate::support::{
-    Background, Trace, VARIANTS, Variant, memptrace, open_trace, run, scratch, trace, tracee,
-    wait_until,
+    Background, Trace, VARIANTS, Variant, memptrace, open_trace, probes, run, scratch, trace,
+    tracee, wait_until,
 };
 
 /// Calls of `op` whose stack's innermost frame is `function`, made by the
@@ -114,7 +114,10 @@ fn mapping_calls_of_a_forked_child() {
 }
 
 /// Attached to a running process before it makes any of its mapping calls:
-/// every one of them is recorded, the allocator's told apart, on every build.
+/// with int3 probes every one of them is recorded, the allocator's told
+/// apart, on every build. With jump probes none is: mapping calls are caught
+/// by int3s, which would kill the process if memptrace died (see README,
+/// "memptrace's death"), so an attach with jump probes does not hook them.
 #[test]
 fn mapping_calls_while_attached() {
     for variant in VARIANTS {
@@ -137,6 +140,10 @@ fn mapping_calls_while_attached() {
         assert_eq!(out.code(), 0, "{variant:?}: {}", out.stderr);
         let mut t = open_trace(&db, out);
         t.run.stdout = end.stdout;
-        check(&t, variant);
+        if probes() == "int3" {
+            check(&t, variant);
+        } else {
+            assert_eq!(t.int("SELECT count(*) FROM map_events"), 0, "{variant:?}");
+        }
     }
 }

@@ -198,7 +198,8 @@ fn attach_draws_progress_within_the_terminal() {
     drop(child);
     let text = pty.close();
     assert_eq!(status.code(), Some(0), "{text:?}");
-    for line in visible_lines(&text) {
+    // memptrace's one warning line, with int3 probes, is not a progress line.
+    for line in visible_lines(&crate::support::without_death_warning(&text)) {
         assert!(
             line.chars().count() <= COLUMNS as usize,
             "{} columns: {line:?} in {:?}",
@@ -240,8 +241,10 @@ fn attach_to_a_process_on_the_same_terminal_draws_nothing() {
     drop(tracer);
     let text = pty.close();
     assert_eq!(victim_status.code(), Some(0), "{text:?}");
+    // memptrace's one warning line, with int3 probes, is not drawing.
+    let drawn = crate::support::without_death_warning(&text);
     assert!(
-        !text.contains('\x1b') && !text.contains("memptrace"),
+        !drawn.contains('\x1b') && !drawn.contains("memptrace"),
         "memptrace drew on the process's terminal: {text:?}"
     );
     assert!(text.starts_with(&format!("ready {pid}\r\n")), "{text:?}");

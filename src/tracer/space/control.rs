@@ -96,6 +96,7 @@ impl Space {
         control.copy_tables_from(parent);
         control.forbid_wake();
         if let Some(jump) = self.jump.as_mut() {
+            control.fail_open(jump.alive_ticks);
             jump.control = Some(control);
         }
         Ok(())
@@ -122,6 +123,7 @@ impl Space {
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
         control.forbid_wake();
         if let Some(jump) = self.jump.as_mut() {
+            control.fail_open(jump.alive_ticks);
             jump.control = Some(control);
         }
         Ok(())

@@ -11,6 +11,7 @@
 pub mod areas;
 pub mod buffers;
 mod control;
+mod gate;
 pub mod images;
 
 use std::collections::{BTreeMap, HashMap};
@@ -60,8 +61,10 @@ pub enum Catch {
     /// An int3 on each entry; `buffers`: threads copy their own stacks.
     Int3 { buffers: bool },
     /// A jump to a probe that records the call in the target, taking at
-    /// most `max_frames` return addresses.
-    Jump { max_frames: u64 },
+    /// most `max_frames` return addresses; its probes count memptrace as
+    /// gone once its heartbeat is `alive_ticks` old (0: never; see
+    /// [`crate::tracer::probes::jump::liveness`]).
+    Jump { max_frames: u64, alive_ticks: u64 },
 }
 
 /// What the jump probes of a space need.
@@ -71,6 +74,7 @@ pub struct Jumps {
     /// Making it was tried.
     tried: bool,
     max_frames: u64,
+    alive_ticks: u64,
     fsgsbase: bool,
     /// What each probe serves, by its number.
     pub probes: Vec<ProbeInfo>,
@@ -137,12 +141,16 @@ impl Space {
     pub fn new(pid: Tid, catch: Catch) -> io::Result<Space> {
         let (buffers, jump) = match catch {
             Catch::Int3 { buffers } => (buffers, None),
-            Catch::Jump { max_frames } => (
+            Catch::Jump {
+                max_frames,
+                alive_ticks,
+            } => (
                 false,
                 Some(Jumps {
                     control: None,
                     tried: false,
                     max_frames,
+                    alive_ticks,
                     fsgsbase: procfs::fsgsbase(pid),
                     probes: Vec::new(),
                 }),
@@ -222,6 +230,7 @@ impl Space {
                 control: None,
                 tried: true,
                 max_frames: j.max_frames,
+                alive_ticks: j.alive_ticks,
                 fsgsbase: j.fsgsbase,
                 probes: j.probes.clone(),
             }),
@@ -393,11 +402,17 @@ impl Space {
         }
         let signals = &mut changes.signals;
         let jumps = self.control().is_some();
+        // Attached with jump probes: no int3 where memptrace's death would
+        // make it fatal (see `tracer::failopen`).
+        let fail_open = jumps && self.jump.as_ref().is_some_and(|j| j.alive_ticks != 0);
         for (addr, kind) in targets {
             if self.hooks.contains(addr) {
                 continue;
             }
             match kind {
+                HookKind::Mapping { .. } if fail_open => {}
+                HookKind::DebugState
+                    if fail_open && self.plant_gate(tid, module, maps, addr, signals)? => {}
                 HookKind::Allocator { ops, .. } if jumps => {
                     let how = self.plant_jump(tid, module, maps, addr, ops.clone(), signals)?;
                     changes.planted.push(Planted {

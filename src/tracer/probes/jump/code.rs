@@ -5,12 +5,13 @@
 //!
 //! 1. finds its thread's slot in the control area by hashing the thread
 //!    pointer (`rdfsbase`, or `fs:[0]` where the kernel does not allow it);
-//!    a thread without a slot traps (`int3`) for memptrace to give it one;
+//!    a thread without a slot traps (`int3`) for memptrace to give it one,
+//!    unless memptrace is gone (below);
 //! 2. records nothing for a call made inside the thread's outermost call in
 //!    progress (realloc entering malloc), for a signal handler's call made
 //!    while a probe of the thread was running, and for a vfork child;
 //! 3. waits (futex) while its ring has no room for a record: nothing is
-//!    ever dropped;
+//!    ever dropped while memptrace is there;
 //! 4. walks the caller's stack with the unwind tables memptrace wrote into
 //!    the control area (CFA = rsp or rbp + offset; return address at
 //!    CFA - 8; rbp saved at a fixed distance below the CFA or unchanged),
@@ -20,6 +21,11 @@
 //!    for a call that returns a block: calls the displaced instructions, so
 //!    that the function returns into the probe, which then finishes and
 //!    commits the record with the result and returns to the caller.
+//!
+//! Fail open (see [`super::liveness`]): a probe that finds memptrace dead
+//! runs the function and records nothing; one that would wait for
+//! memptrace (no slot, a full ring) and finds it gone or not answering for
+//! about a second lets the call through unrecorded, and counts it.
 //!
 //! The call is made through `lea rsp, [rsp-8]; call`: the caller's return
 //! address stays where it is, unchanged, inside the function the stack is
@@ -38,7 +44,9 @@ use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Instruction};
 
 use super::layout::{self, dir, record, rule, slot};
+use super::liveness::if_gone;
 use crate::event::Op;
+use crate::os::sentinel::TID_MASK;
 
 /// What a probe is made for.
 #[derive(Clone, Debug)]
@@ -91,8 +99,12 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     let mut l = Labels::new(&mut a);
     let returns = spec.op.allocates();
 
-    // 1. The thread's slot: r10; the key in rax.
+    // 0. memptrace is gone (see `liveness`): straight on, unrecorded.
     a.set_label(&mut l.entry)?;
+    a.mov(r11, spec.control + layout::ALIVE_WORD)?;
+    a.test(dword_ptr(r11), TID_MASK)?;
+    a.jz(l.displaced)?;
+    // 1. The thread's slot: r10; the key in rax.
     if spec.fsgsbase {
         a.rdfsbase(rax)?;
     } else {
@@ -112,6 +124,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
             a.add(r10, layout::SLOT_SIZE as i32)?;
         }
     }
+    // No slot: memptrace gives it one at the int3, if memptrace is there.
+    if_gone(&mut a, spec.control, l.let_through)?;
     a.set_label(&mut l.miss)?;
     a.int3()?;
     a.jmp(l.entry)?;
@@ -413,6 +427,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // start over.
     a.set_label(&mut l.wait_room)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
+    if_gone(&mut a, spec.control, l.let_through)?;
     a.inc(qword_ptr(r10 + slot::WAITS as i32))?;
     // Say so, then look at the tail again: memptrace stores the tail, then
     // reads WAITING; the thread stores WAITING, then reads the tail. With a
@@ -459,6 +474,12 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.pop(rsi)?;
     a.pop(rdi)?;
     a.jmp(l.entry)?;
+
+    // memptrace is gone: the call goes on unrecorded (counted, for a
+    // memptrace that was only slow to answer).
+    a.set_label(&mut l.let_through)?;
+    a.mov(r11, spec.control + layout::LET_THROUGH)?;
+    a.lock().inc(qword_ptr(r11))?;
 
     // The displaced instructions, relocated, and the way back.
     a.set_label(&mut l.displaced)?;
@@ -588,6 +609,7 @@ struct Labels {
     skip_nested: CodeLabel,
     wait_room: CodeLabel,
     sleep: CodeLabel,
+    let_through: CodeLabel,
     displaced: CodeLabel,
     back: CodeLabel,
     end: CodeLabel,
@@ -628,6 +650,7 @@ impl Labels {
             skip_nested: a.create_label(),
             wait_room: a.create_label(),
             sleep: a.create_label(),
+            let_through: a.create_label(),
             displaced: a.create_label(),
             back: a.create_label(),
             end: a.create_label(),

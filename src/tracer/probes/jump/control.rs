@@ -9,9 +9,11 @@ use super::decode;
 use super::layout::{self, dir, slot};
 use crate::event::Op;
 use crate::os::ptrace::Tid;
+use crate::os::sentinel::{Sentinel, TID_MASK};
 use crate::os::shared::SharedMemory;
 use crate::tracer::inject;
 use crate::unwind::tables::UnwindTable;
+use std::sync::atomic::Ordering;
 
 pub use inject::SharedError as ControlError;
 
@@ -78,6 +80,9 @@ struct Entry {
 }
 
 pub struct Control {
+    /// Holds `ALIVE_WORD` while memptrace lives (see `os::sentinel`): made
+    /// on the tracer thread, the one that creates every control area.
+    sentinel: Option<Sentinel>,
     /// The area's address in the target.
     pub remote: u64,
     mem: SharedMemory,
@@ -174,6 +179,7 @@ impl Control {
         let (remote, mem) =
             inject::shared_memory(pid, tid, insn, name, layout::AREA_SIZE, at, signals)?;
         let mut control = Control {
+            sentinel: None,
             remote,
             mem,
             owners: vec![None; (layout::SLOTS + layout::PROBES) as usize],
@@ -194,6 +200,19 @@ impl Control {
         control
             .mem
             .store(layout::TRACER_TID, crate::os::local::thread_id() as u64);
+        control.beat();
+        control.sentinel = match Sentinel::hold(&control.mem, layout::ALIVE_WORD) {
+            Ok(sentinel) => Some(sentinel),
+            Err(_) => {
+                // No word the kernel clears: an id nobody clears, and the
+                // heartbeat alone tells when memptrace is gone.
+                control
+                    .mem
+                    .word32(layout::ALIVE_WORD)
+                    .store(std::process::id() & TID_MASK, Ordering::SeqCst);
+                None
+            }
+        };
         control.publish_directory();
         Ok(control)
     }
@@ -202,6 +221,24 @@ impl Control {
     /// seccomp filter forbids it; see `layout::NO_WAKE`).
     pub fn forbid_wake(&mut self) {
         self.mem.store(layout::NO_WAKE, 1);
+    }
+
+    /// Let the probes count memptrace as gone once its heartbeat is `ticks`
+    /// counter ticks old (0: never), and beat now (see
+    /// [`super::liveness`]).
+    pub fn fail_open(&self, ticks: u64) {
+        self.beat();
+        self.mem.store(layout::ALIVE_TICKS, ticks);
+    }
+
+    /// memptrace is here: the heartbeat the probes check.
+    pub fn beat(&self) {
+        self.mem.store(layout::ALIVE_TSC, crate::os::local::tsc());
+    }
+
+    /// Calls the probes let through unrecorded, memptrace looking gone.
+    pub fn let_through(&self) -> u64 {
+        self.mem.load(layout::LET_THROUGH)
     }
 
     /// The same images and tables as `parent` (a forked child's area,
@@ -505,5 +542,20 @@ impl decode::RingBytes for RingOf<'_> {
             .checked_add(8 * out.len() as u64)
             .is_some_and(|end| end <= layout::RING_STRIDE);
         in_stride && self.mem.read_words(self.at + at, out)
+    }
+}
+
+impl Drop for Control {
+    /// Nobody reads this area any more (the trace ended, the process went,
+    /// or memptrace unwinds from a panic): probes still planted, if any,
+    /// let every call through rather than trap or wait for memptrace.
+    fn drop(&mut self) {
+        self.mem.store(layout::GONE, 1);
+        // Clears the word and leaves the kernel's list, before the mapping
+        // goes.
+        self.sentinel = None;
+        self.mem
+            .word32(layout::ALIVE_WORD)
+            .store(0, Ordering::SeqCst);
     }
 }

@@ -5,7 +5,8 @@
 //! rings (`tracer::rings`) and writes everything else.
 //!
 //! ```text
-//! 0          header: the sequence counter, the unwind directory in use
+//! 0          header: the sequence counter, the unwind directory in use,
+//!            memptrace's heartbeat
 //! SLOTS      one 256-byte slot per thread, found by hashing the thread pointer
 //! DIRS       unwind directories (a sorted array of images), rotated on change
 //! TABLES     unwind tables, appended as images appear
@@ -45,6 +46,26 @@ pub const TRACER_TID: u64 = 264;
 /// area: a seccomp filter the program installs at any time may kill it
 /// for `tgkill`, and memptrace reads the rings every 1 ms anyway.
 pub const NO_WAKE: u64 = 384;
+/// Whether memptrace is still there (attach only: see [`ALIVE_TICKS`]).
+/// memptrace's last heartbeat: the time-stamp counter (`rdtsc`), stored
+/// from its wait loop at every tick.
+pub const ALIVE_TSC: u64 = 512;
+/// How many counter ticks after its last heartbeat memptrace counts as
+/// gone (about a second); 0: never (a launched program dies with
+/// memptrace, so its probes never need to give up on it).
+pub const ALIVE_TICKS: u64 = 520;
+/// Set when memptrace lets go of the area (its end, orderly or not): the
+/// probes record nothing from then on.
+pub const GONE: u64 = 528;
+/// A 4-byte futex word holding the id of a thread of memptrace's, which the
+/// kernel clears (FUTEX_OWNER_DIED) the moment memptrace dies, however it
+/// dies (see `os::sentinel`): a probe that finds no thread id here lets the
+/// call through at once. 0 also once memptrace let go of the area.
+pub const ALIVE_WORD: u64 = 640;
+/// Calls a probe let through unrecorded because memptrace looked gone
+/// (`lock inc`): a thread with no slot, or with a full ring, goes on
+/// rather than wait for a tracer that may never answer.
+pub const LET_THROUGH: u64 = 576;
 pub const HEADER_SIZE: u64 = 4096;
 
 pub const MAGIC_VALUE: u64 = u64::from_le_bytes(*b"memptrc1");

@@ -10,6 +10,7 @@ pub mod code;
 pub mod control;
 pub mod decode;
 pub mod layout;
+pub mod liveness;
 pub mod plan;
 
 #[cfg(test)]

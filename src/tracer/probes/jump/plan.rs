@@ -11,7 +11,7 @@
 //! be shown, the function keeps an int3 on its first instruction, and the
 //! thread that stops there is sent to the same probe by memptrace.
 
-use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction};
+use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic};
 
 /// Bytes of a `jmp rel32`.
 pub const JUMP_LEN: u64 = 5;
@@ -99,6 +99,43 @@ fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
     })
 }
 
+/// A jump over a function that only returns (`ret`, after an `endbr64`
+/// perhaps) and the padding that follows it: the dynamic linker's
+/// `_dl_debug_state`, whose int3 would kill the process without memptrace
+/// (see `tracer::failopen`). Only the `ret` is displaced; the padding
+/// (nops or int3s) never runs, no branch lands in it (checked as for any
+/// plan), and the jump stays short of the next 16-byte boundary past the
+/// `ret`, where the next function may start.
+pub fn over_padding(code: &[u8], addr: u64) -> Option<Plan> {
+    let skip = if code.starts_with(&ENDBR64) { 4 } else { 0 };
+    let at = addr + skip as u64;
+    let mut decoder = Decoder::with_ip(64, code.get(skip..)?, at, DecoderOptions::NONE);
+    let ret = decoder.decode();
+    if ret.code() != Code::Retnq || (at + 1).next_multiple_of(16) < at + JUMP_LEN {
+        return None;
+    }
+    let mut len = 1;
+    while len < JUMP_LEN {
+        if !decoder.can_decode() {
+            return None;
+        }
+        let pad = decoder.decode();
+        if !(pad.mnemonic() == Mnemonic::Nop || pad.code() == Code::Int3) {
+            return None;
+        }
+        len += pad.len() as u64;
+    }
+    if branch_into(code, addr, &(at + 1..at + JUMP_LEN)).is_some() {
+        return None;
+    }
+    Some(Plan {
+        at,
+        displaced: vec![ret],
+        resume: at + 1,
+        int3: None,
+    })
+}
+
 /// An int3 on the first instruction (after `endbr64` too: the int3 takes
 /// one byte, and the thread is sent on from memptrace's stop).
 fn int3_plan(code: &[u8], addr: u64, why: String) -> Plan {
@@ -171,5 +208,27 @@ mod tests {
         // xor eax, eax; ret: too short.
         let plan = super::plan(&[0x31, 0xc0, 0xc3, 0xcc, 0xcc, 0xcc], AT);
         assert!(plan.int3.unwrap().contains("leaves"));
+    }
+
+    #[test]
+    fn jumps_over_a_lone_ret_and_its_padding() {
+        // ld.so's _dl_debug_state: ret; nopw cs:[rax+rax] (11 bytes).
+        let code = [
+            0xc3, 0x66, 0x66, 0x2e, 0x0f, 0x1f, 0x84, 0, 0, 0, 0, 0, 0x0f, 0x1f, 0x40, 0,
+        ];
+        let plan = over_padding(&code, AT).unwrap();
+        assert_eq!(
+            (plan.at, plan.resume, plan.displaced.len()),
+            (AT, AT + 1, 1)
+        );
+        // After endbr64, and int3 padding.
+        let mut code = ENDBR64.to_vec();
+        code.extend([0xc3, 0xcc, 0xcc, 0xcc, 0xcc, 0xcc]);
+        let plan = over_padding(&code, AT).unwrap();
+        assert_eq!((plan.at, plan.resume), (AT + 4, AT + 5));
+        // Code after the ret, or too near a 16-byte boundary: no.
+        assert!(over_padding(&[0xc3, 0x31, 0xc0, 0xc3, 0x90, 0x90], AT).is_none());
+        assert!(over_padding(&[0xc3, 0x90, 0x90, 0x90, 0x90, 0x90], AT + 12).is_none());
+        assert!(over_padding(&[0x31, 0xc0, 0xc3, 0x90, 0x90, 0x90], AT).is_none());
     }
 }

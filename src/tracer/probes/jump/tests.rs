@@ -46,6 +46,9 @@ impl Rig {
         control.write_u64(layout::MAGIC as usize, layout::MAGIC_VALUE);
         control.write_u64(layout::DIRECTORY as usize, control.addr() + layout::DIRS);
         control.write_u64(layout::WAIT_TIMESPEC as usize + 8, 1_000_000);
+        // memptrace is there: a thread's id in the word the kernel clears.
+        let tid = crate::os::local::thread_id() as u32;
+        control.write(layout::ALIVE_WORD as usize, &tid.to_le_bytes());
         // This thread's slot, as memptrace makes one: fixed part, key last.
         let tp = thread_pointer();
         let i = layout::home_slot(tp);
@@ -313,4 +316,194 @@ fn the_displaced_instructions_are_mapped_back() {
     assert_eq!(code.displaced_map[0].0, code.displaced);
     assert!(code.displaced_map.windows(2).all(|w| w[0].0 < w[1].0));
     assert!(code.entry < code.miss && code.miss < code.displaced && code.displaced < code.end);
+}
+
+/// The word at `offset` of the mapping at `base`, shared with the thread
+/// running the probes.
+fn shared_word(base: u64, offset: u64) -> &'static std::sync::atomic::AtomicU64 {
+    // SAFETY: `base` is a live LocalMapping of AREA_SIZE bytes (the rig's
+    // control area) that outlives the scoped threads using the word; the
+    // offset is a header or slot field, 8-byte aligned, inside it.
+    unsafe { &*((base + offset) as *const std::sync::atomic::AtomicU64) }
+}
+
+impl Rig {
+    fn header(&self, field: u64) -> u64 {
+        self.control.read_u64(field as usize)
+    }
+
+    fn set_header(&self, field: u64, value: u64) {
+        self.control.write_u64(field as usize, value);
+    }
+
+    /// This thread's slot taken away: its probes look for memptrace.
+    fn no_slot(&self) {
+        self.control.write_u64(self.slot + slot::KEY as usize, 0);
+    }
+
+    /// Its ring full: head a ring ahead of the tail.
+    fn fill_ring(&self) {
+        self.control
+            .write_u64(self.slot + slot::HEAD as usize, layout::RING_SIZE);
+    }
+
+    /// Call `offset` with a full ring while memptrace is there (heartbeat
+    /// `beat`, `ALIVE_TICKS` as set): once the thread has waited for room,
+    /// another thread does to the header what `leave` says, and the call
+    /// must come back.
+    fn call_waiting(&self, offset: usize, arg: u64, beat: u64, leave: impl Fn(u64) + Send) -> u64 {
+        self.fill_ring();
+        self.set_header(layout::ALIVE_TSC, beat);
+        let base = self.control.addr();
+        let waits = self.slot as u64 + slot::WAITS;
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let waits = shared_word(base, waits);
+                while waits.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                leave(base);
+            });
+            self.call(offset, arg, 0, 0)
+        })
+    }
+}
+
+#[test]
+fn a_thread_without_a_slot_goes_through_once_memptrace_is_gone() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    rig.plant(FREE, Op::Free, 2);
+    rig.no_slot();
+    rig.set_header(layout::GONE, 1);
+    assert_eq!(rig.call(MALLOC, 5, 0, 0), 0x1005);
+    assert_eq!(rig.call(FREE, 0x1005, 0, 0), 0x1005);
+    assert_eq!(rig.header(layout::LET_THROUGH), 2);
+    assert_eq!(rig.slot_word(slot::HEAD), 0, "nothing recorded");
+    assert_eq!(rig.slot_word(slot::BUSY), 0);
+}
+
+#[test]
+fn an_old_heartbeat_is_memptrace_gone() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    rig.no_slot();
+    let second = 3_000_000_000;
+    rig.set_header(layout::ALIVE_TICKS, second);
+    rig.set_header(layout::ALIVE_TSC, crate::os::local::tsc() - 10 * second);
+    assert_eq!(rig.call(MALLOC, 7, 0, 0), 0x1007);
+    assert_eq!(rig.header(layout::LET_THROUGH), 1);
+    assert_eq!(rig.slot_word(slot::HEAD), 0);
+}
+
+#[test]
+fn a_full_ring_stops_waiting_when_memptrace_says_it_is_gone() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    // No limit on the heartbeat's age: only GONE ends the wait.
+    let now = crate::os::local::tsc();
+    let ret = rig.call_waiting(MALLOC, 9, now, |base| {
+        shared_word(base, layout::GONE).store(1, std::sync::atomic::Ordering::SeqCst)
+    });
+    assert_eq!(ret, 0x1009);
+    assert!(rig.slot_word(slot::WAITS) >= 1);
+    assert_eq!(rig.header(layout::LET_THROUGH), 1);
+    assert_eq!(
+        rig.slot_word(slot::HEAD),
+        layout::RING_SIZE,
+        "nothing recorded"
+    );
+    assert_eq!(rig.slot_word(slot::BUSY), 0);
+    assert_eq!(rig.slot_word(slot::PENDING_SP), 0);
+}
+
+#[test]
+fn a_full_ring_stops_waiting_when_the_heartbeat_gets_old() {
+    let mut rig = Rig::new();
+    rig.plant(FREE, Op::Free, 2);
+    // A heartbeat ahead of this CPU's counter is a fresh one: the thread
+    // waits; then the heartbeat is a second old.
+    let second = 3_000_000_000;
+    rig.set_header(layout::ALIVE_TICKS, second);
+    let ahead = crate::os::local::tsc() + 100 * second;
+    let ret = rig.call_waiting(FREE, 0x1005, ahead, |base| {
+        shared_word(base, layout::ALIVE_TSC).store(
+            crate::os::local::tsc() - 2 * second,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    });
+    assert_eq!(ret, 0x1005);
+    assert!(rig.slot_word(slot::WAITS) >= 1);
+    assert_eq!(rig.header(layout::LET_THROUGH), 1);
+    assert_eq!(rig.slot_word(slot::HEAD), layout::RING_SIZE);
+}
+
+#[test]
+fn a_probe_goes_straight_on_once_memptrace_died() {
+    let mut rig = Rig::new();
+    rig.plant(MALLOC, Op::Malloc, 1);
+    rig.plant(REALLOC, Op::Realloc, 3);
+    assert_eq!(rig.call(MALLOC, 1, 0, 0), 0x1001);
+    // The kernel's mark of a dead owner: no thread id left.
+    let died: u32 = 0x4000_0000;
+    rig.control
+        .write(layout::ALIVE_WORD as usize, &died.to_le_bytes());
+    assert_eq!(rig.call(MALLOC, 2, 0, 0), 0x1002);
+    assert_eq!(rig.call(REALLOC, 0x77, 3, 0), 0x1003);
+    // Even a thread with no slot (which would trap for memptrace).
+    rig.no_slot();
+    assert_eq!(rig.call(MALLOC, 4, 0, 0), 0x1004);
+    let records = rig.records();
+    assert_eq!(records.len(), 1, "only the call before: {records:?}");
+    assert_eq!(records[0].args[0], 1);
+    assert_eq!(
+        rig.header(layout::LET_THROUGH),
+        0,
+        "not counted: nobody reads it"
+    );
+    assert_eq!(rig.slot_word(slot::BUSY), 0);
+    assert_eq!(rig.slot_word(slot::NESTED), 0);
+}
+
+#[test]
+fn the_gate_of_dl_debug_state_goes_straight_on_without_memptrace() {
+    let mut rig = Rig::new();
+    const DEBUG_STATE: usize = 0x100;
+    // ld.so's: ret, then padding.
+    rig.function(DEBUG_STATE, |a| {
+        a.ret()?;
+        for _ in 0..4 {
+            a.nop()?;
+        }
+        a.nop()
+    });
+    let addr = rig.code.addr() + DEBUG_STATE as u64;
+    let mut bytes = vec![0u8; 16];
+    rig.code.read(DEBUG_STATE, &mut bytes);
+    let plan = super::plan::over_padding(&bytes, addr).unwrap();
+    let at = rig.code.addr() + rig.next_probe as u64;
+    let gate = super::liveness::gate(rig.control.addr(), &plan.displaced, plan.resume, at).unwrap();
+    rig.code.write(rig.next_probe, &gate.bytes);
+    rig.next_probe += gate.bytes.len().next_multiple_of(64);
+    let rel = (gate.entry as i64 - (plan.at as i64 + 5)) as i32;
+    let mut jump = vec![0xe9];
+    jump.extend(rel.to_le_bytes());
+    rig.code.write(DEBUG_STATE, &jump);
+    assert!(gate.entry < gate.miss && gate.miss < gate.displaced);
+    assert_eq!(gate.displaced_map[0], (gate.displaced, addr));
+    // Dead (no thread id), said gone, or silent for too long: no stop.
+    rig.control
+        .write(layout::ALIVE_WORD as usize, &0x4000_0000u32.to_le_bytes());
+    // (Each call coming back is the test: `ret` returns nothing.)
+    rig.call(DEBUG_STATE, 0, 0, 0);
+    let tid = crate::os::local::thread_id() as u32;
+    rig.control
+        .write(layout::ALIVE_WORD as usize, &tid.to_le_bytes());
+    rig.set_header(layout::GONE, 1);
+    rig.call(DEBUG_STATE, 0, 0, 0);
+    rig.set_header(layout::GONE, 0);
+    rig.set_header(layout::ALIVE_TICKS, 1);
+    rig.set_header(layout::ALIVE_TSC, 1);
+    rig.call(DEBUG_STATE, 0, 0, 0);
+    assert_eq!(rig.header(layout::LET_THROUGH), 0, "not an allocator call");
 }

@@ -1,0 +1,193 @@
+//! memptrace's death never kills a process it attached to: SIGKILL in the
+//! middle of a trace, and a memptrace that stops answering (SIGSTOP) while
+//! a thread's ring fills. The tracee (`tracee-tests/failopen.c`) checks
+//! every block it allocates, makes threads all the time, fills a ring,
+//! starts new threads and loads a library after the fact, and exits 0 only
+//! if nothing went wrong.
+//!
+//! With `--probes int3` memptrace's death kills the process (an int3
+//! without a tracer is a fatal SIGTRAP): the attach says so, and the tests
+//! check that it did and what then happens, as documented in the README.
+
+use std::process::Command;
+
+use crate::attach::trampoline_pages;
+use crate::support::{
+    Background, Run, Variant, memptrace, open_trace, probes, proc_status, scratch, tracee,
+    wait_until,
+};
+
+/// The warning an attach prints when memptrace's death would kill the
+/// process.
+fn death_warning(pid: i32) -> String {
+    format!("memptrace's death (SIGKILL, OOM, a crash) would kill process {pid} with SIGTRAP")
+}
+
+/// Allocator calls (not inventory) committed to a trace being written.
+fn calls_committed(db: &std::path::Path) -> i64 {
+    let open =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY);
+    open.and_then(|c| {
+        c.busy_timeout(std::time::Duration::from_secs(2))?;
+        c.query_row(
+            "SELECT count(*) FROM events WHERE op <> 'inventory'",
+            [],
+            |r| r.get(0),
+        )
+    })
+    .unwrap_or(0)
+}
+
+/// The tracee, running, and memptrace attached to it and recording.
+fn attached(label: &str) -> (Background, i32, Background, std::path::PathBuf) {
+    let dir = tracee(Variant::Dynamic, "failopen")
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    // With int3 probes, a stop per call: a burst that ends in a few seconds.
+    let burst = if probes() == "int3" {
+        "20000"
+    } else {
+        "1000000"
+    };
+    let mut target = Background::interactive(
+        Command::new(dir.join("failopen"))
+            .arg(dir.join("libplugin.so"))
+            .arg(burst),
+    );
+    let pid: i32 = target.wait_for("ready").parse().unwrap();
+    let db = scratch(label).join("trace.db");
+    let tracer = Background::start(
+        memptrace()
+            .args(["attach", &pid.to_string(), "-o"])
+            .arg(&db),
+    );
+    wait_until("memptrace records the process's calls", || {
+        calls_committed(&db) > 0
+    });
+    (target, pid, tracer, db)
+}
+
+/// The tracee's own verdict: exit 0, nothing damaged.
+fn assert_unharmed(end: &Run) {
+    assert_eq!(end.code(), 0, "{}\n{}", end.stdout, end.stderr);
+    assert!(end.stdout.contains(" 0 damaged"), "{}", end.stdout);
+    assert!(end.stderr.is_empty(), "{}", end.stderr);
+}
+
+#[test]
+fn sigkill_of_memptrace_in_the_middle_of_a_trace() {
+    use std::os::unix::process::ExitStatusExt;
+    let (mut target, pid, tracer, _db) = attached("failopen-kill");
+    tracer.signal(libc::SIGKILL);
+    let out = tracer.finish();
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL));
+    if probes() == "int3" {
+        // Known and said at the start: the process dies with memptrace, of
+        // the first int3 its threads meet (they allocate all the time).
+        assert!(out.stderr.contains(&death_warning(pid)), "{}", out.stderr);
+        let end = target.finish();
+        assert_eq!(end.status.signal(), Some(libc::SIGTRAP), "{}", end.stdout);
+        return;
+    }
+    assert!(!out.stderr.contains("would kill"), "{}", out.stderr);
+    // The kernel let it go: no tracer, and it runs on.
+    let state = proc_status(pid, "State").unwrap_or_default();
+    if state.starts_with('Z') {
+        let end = target.finish();
+        panic!(
+            "the process died with memptrace: {:?}\n{}",
+            end.status, end.stderr
+        );
+    }
+    assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+    assert!(
+        !trampoline_pages(pid).is_empty(),
+        "the probes are still there"
+    );
+    // A ring-full of calls, new threads (no slot) and a library loaded
+    // (the dynamic linker's hook), all with the probes in place.
+    target.send("go\n");
+    assert_eq!(target.wait_for("tracer"), "0");
+    target.wait_for("burst");
+    let end = target.finish();
+    assert_unharmed(&end);
+}
+
+/// memptrace stops answering (SIGSTOP: alive, its thread id still in the
+/// word the kernel would clear). With jump probes, a thread whose ring
+/// fills waits for it a second, then lets its calls through unrecorded;
+/// once memptrace goes on, it counts them, says so, and traces on to the
+/// process's end. With int3 probes a thread waits in its stop for as long
+/// as memptrace is stopped, and nothing is lost.
+#[test]
+fn a_memptrace_that_stops_answering_is_given_up_on_after_a_second() {
+    let jumps = probes() != "int3";
+    let (mut target, pid, tracer, db) = attached("failopen-stop");
+    tracer.signal(libc::SIGSTOP);
+    target.send("go\n");
+    if jumps {
+        assert_eq!(target.wait_for("tracer"), tracer.pid().to_string());
+        // The burst's 1,000,000 calls overflow the thread's ring many times.
+        target.wait_for("burst");
+    } else {
+        // The main thread's first call after reading the line stops at an
+        // int3, for memptrace.
+        wait_until("the main thread waits in a stop for memptrace", || {
+            in_tracing_stop(pid, pid)
+        });
+    }
+    tracer.signal(libc::SIGCONT);
+    let end = target.finish();
+    assert_unharmed(&end);
+    let out = tracer.finish();
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    let warned = out
+        .stderr
+        .contains("calls were not recorded: memptrace did not answer the jump probes for over 1 s");
+    assert_eq!(warned, jumps, "{}", out.stderr);
+    let t = open_trace(&db, out);
+    let through: i64 = t.meta("let_through_calls").unwrap().parse().unwrap();
+    assert_eq!(through > 0, jumps, "{through}");
+    assert_eq!(t.meta("pid"), Some(pid.to_string()));
+}
+
+/// An orderly trace: `meta` says what memptrace's death would have done,
+/// and no call was let through.
+#[test]
+fn meta_says_what_memptraces_death_would_do() {
+    let (target, pid, tracer, db) = attached("failopen-meta");
+    tracer.signal(libc::SIGINT);
+    let out = tracer.finish();
+    assert_eq!(out.code(), 0, "{}", out.stderr);
+    drop(target);
+    let t = open_trace(&db, out);
+    let death = t.meta("on_memptrace_death").unwrap();
+    if probes() == "int3" {
+        assert!(death.starts_with("kills it: int3 probes at "), "{death}");
+        // Every hook an int3: the first four, and how many more.
+        assert!(death.contains(", libc.so.6:"), "{death}");
+        assert!(death.contains(" more: memptrace's death"), "{death}");
+        assert!(death.ends_with(&death_warning(pid)), "{death}");
+        assert!(
+            t.run.stderr.contains(&death_warning(pid)),
+            "{}",
+            t.run.stderr
+        );
+    } else {
+        assert_eq!(death, "runs on: the probes let calls through unrecorded");
+        assert!(!t.run.stderr.contains("would kill"), "{}", t.run.stderr);
+        // No mapping call hooked (their int3s would be fatal), and the
+        // dynamic linker's hook a jump.
+        assert_eq!(t.int("SELECT count(*) FROM map_events"), 0);
+    }
+    assert_eq!(t.meta("let_through_calls").as_deref(), Some("0"));
+}
+
+/// Thread `tid` of `pid` stands in a ptrace stop (state `t`).
+fn in_tracing_stop(pid: i32, tid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
+        .ok()
+        .and_then(|stat| Some(stat.rsplit_once(") ")?.1.starts_with('t')))
+        .unwrap_or(false)
+}
