@@ -23,7 +23,7 @@ pub fn trampoline_pages(pid: i32) -> Vec<String> {
 }
 
 /// Allocator calls (not inventory) committed to a trace being written.
-fn calls_committed(db: &std::path::Path) -> i64 {
+pub fn calls_committed(db: &std::path::Path) -> i64 {
     let open =
         rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY);
     open.and_then(|c| {

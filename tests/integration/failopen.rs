@@ -23,21 +23,6 @@ fn death_warning(pid: i32) -> String {
     format!("memptrace's death (SIGKILL, OOM, a crash) would kill process {pid} with SIGTRAP")
 }
 
-/// Allocator calls (not inventory) committed to a trace being written.
-fn calls_committed(db: &std::path::Path) -> i64 {
-    let open =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY);
-    open.and_then(|c| {
-        c.busy_timeout(std::time::Duration::from_secs(2))?;
-        c.query_row(
-            "SELECT count(*) FROM events WHERE op <> 'inventory'",
-            [],
-            |r| r.get(0),
-        )
-    })
-    .unwrap_or(0)
-}
-
 /// The tracee, running, and memptrace attached to it and recording.
 fn attached(label: &str) -> (Background, i32, Background, std::path::PathBuf) {
     let dir = tracee(Variant::Dynamic, "failopen")
@@ -63,7 +48,7 @@ fn attached(label: &str) -> (Background, i32, Background, std::path::PathBuf) {
             .arg(&db),
     );
     wait_until("memptrace records the process's calls", || {
-        calls_committed(&db) > 0
+        crate::attach::calls_committed(&db) > 0
     });
     (target, pid, tracer, db)
 }

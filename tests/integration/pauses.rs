@@ -29,7 +29,8 @@ fn attach_and_detach_pauses_are_in_meta() {
     );
     let out = tracer.finish();
     assert_eq!(out.code(), 0, "{}", out.stderr);
-    assert_eq!(out.stderr, "");
+    // (With int3 probes, the one line on memptrace's death.)
+    assert_eq!(crate::support::without_death_warning(&out.stderr), "");
     target.signal(libc::SIGTERM);
     let end = target.finish();
     assert_eq!(end.code(), 0, "{}", end.stderr);
