@@ -197,11 +197,6 @@ pub fn take_kept() -> Vec<(Tid, Stop)> {
     std::mem::take(&mut *KEPT.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// Wait for one thread only; other threads' stops stay queued for `wait_any`.
-pub fn wait_tid(tid: Tid) -> io::Result<Option<(Tid, Stop)>> {
-    wait(tid, 0)
-}
-
 /// Wait for one thread's next stop, but not past `deadline`: `Ok(None)`
 /// when it has not stopped by then. It polls (a stop is usually there
 /// within microseconds: a single step, an injected call) and then sleeps in

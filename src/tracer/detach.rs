@@ -42,18 +42,19 @@ pub(super) fn detach_running(tid: Tid) {
     if ptrace::interrupt(tid).is_err() {
         return;
     }
-    loop {
-        match ptrace::wait_tid(tid) {
-            Ok(Some((_, Stop::Exited(_) | Stop::Killed { .. }))) | Err(_) => return,
-            Ok(Some((_, Stop::Signal(sig)))) => {
-                let _ = ptrace::detach(tid, sig);
-                return;
-            }
-            Ok(Some(_)) => {
-                let _ = ptrace::detach(tid, 0);
-                return;
-            }
-            Ok(None) => continue,
+    // Bounded: a thread that never stops (uninterruptible sleep) is left
+    // to the kernel, which lets it go when memptrace exits.
+    let deadline = Instant::now() + super::PATIENCE;
+    match ptrace::wait_tid_until(tid, deadline) {
+        Ok(Some(stop @ (Stop::Exited(_) | Stop::Killed { .. }))) => {
+            ptrace::keep_for_later(tid, stop);
+        }
+        Ok(None) | Err(_) => {}
+        Ok(Some(Stop::Signal(sig))) => {
+            let _ = ptrace::detach(tid, sig);
+        }
+        Ok(Some(_)) => {
+            let _ = ptrace::detach(tid, 0);
         }
     }
 }

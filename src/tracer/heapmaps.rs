@@ -111,7 +111,15 @@ impl Tracer {
         if let Ok(map) = &map {
             let errors = walk_errors(map);
             self.stats.heap_walk_errors += errors;
-            let damaged = map.arenas.iter().find(|a| a.error.is_some() && !a.locked);
+            // A free mutex proves nothing where glibc takes none: a process
+            // that never made a thread (it has no arena but the main one)
+            // runs the allocator unlocked, and a thread stopped inside it
+            // leaves the main arena half-changed, not damaged.
+            let locks = map.arenas.len() > 1;
+            let damaged = map
+                .arenas
+                .iter()
+                .find(|a| a.error.is_some() && !a.locked && (locks || !a.main));
             if let Some(a) = damaged {
                 self.stats.warnings.push(format!(
                     "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \

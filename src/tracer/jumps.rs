@@ -255,17 +255,22 @@ impl Tracer {
                 self.drain_rings(false);
             }
             ptrace::single_step(tid)?;
-            loop {
-                match ptrace::wait_tid(tid)? {
-                    None => continue,
-                    Some((_, Stop::Signal(libc::SIGTRAP))) => break,
-                    Some((_, Stop::Signal(sig))) => {
-                        deliver.entry(tid).or_insert(sig);
-                        break;
-                    }
-                    Some((_, Stop::Exited(_) | Stop::Killed { .. })) => return Ok(true),
-                    Some(_) => break,
+            // Bounded: a thread that does not come back from one step (it
+            // was killed with its process, whose leader a wait would then
+            // wait for) is not waited for forever; it counts as not out.
+            let deadline = std::time::Instant::now() + super::PATIENCE;
+            match ptrace::wait_tid_until(tid, deadline)? {
+                None => return Ok(false),
+                Some(Stop::Signal(libc::SIGTRAP)) => {}
+                Some(Stop::Signal(sig)) => {
+                    deliver.entry(tid).or_insert(sig);
                 }
+                Some(stop @ (Stop::Exited(_) | Stop::Killed { .. })) => {
+                    // How it ended is the wait loop's to see.
+                    ptrace::keep_for_later(tid, stop);
+                    return Ok(true);
+                }
+                Some(_) => {}
             }
         }
         Ok(false)
