@@ -251,10 +251,11 @@ pub fn strictest(results: impl IntoIterator<Item = u32>) -> Option<u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn stmt(code: u16, k: u32) -> Insn {
+    /// A statement: no jump offsets.
+    pub(in crate::seccomp) fn stmt(code: u16, k: u32) -> Insn {
         Insn {
             code,
             jt: 0,
@@ -263,7 +264,7 @@ mod tests {
         }
     }
 
-    fn jump(code: u16, k: u32, jt: u8, jf: u8) -> Insn {
+    pub(in crate::seccomp) fn jump(code: u16, k: u32, jt: u8, jf: u8) -> Insn {
         Insn { code, jt, jf, k }
     }
 

@@ -137,27 +137,14 @@ pub fn probe_wait() -> Call {
 
 #[cfg(test)]
 mod tests {
+    use super::bpf::tests::{jump, stmt};
     use super::*;
-
-    fn stmt(code: u16, k: u32) -> Insn {
-        Insn {
-            code,
-            jt: 0,
-            jf: 0,
-            k,
-        }
-    }
 
     /// `nr == n ? action : ALLOW`.
     fn on(n: i64, action: u32) -> Vec<Insn> {
         vec![
             stmt(0x20, 0),
-            Insn {
-                code: 0x15,
-                jt: 0,
-                jf: 1,
-                k: n as u32,
-            },
+            jump(0x15, n as u32, 0, 1),
             stmt(0x06, action),
             stmt(0x06, 0x7fff_0000),
         ]

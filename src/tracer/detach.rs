@@ -446,11 +446,7 @@ impl Tracer {
         // reported: stopped, and memptrace's until let go.
         let early: Vec<(Tid, Stop)> = self.family.early.drain().collect();
         for (tid, stop) in early {
-            let sig = match Stopped::of(stop) {
-                Stopped::Signal(sig) | Stopped::Fault(sig) => sig,
-                _ => 0,
-            };
-            let _ = ptrace::unless_gone(ptrace::detach(tid, sig));
+            let _ = ptrace::unless_gone(ptrace::detach(tid, Stopped::of(stop).signal()));
         }
         lap("release");
         if let Some(pause) = pause {
@@ -502,10 +498,7 @@ impl Tracer {
                         stopped = true;
                     }
                     Ok(Some(stop)) => {
-                        let mut sig = match Stopped::of(stop) {
-                            Stopped::Signal(sig) | Stopped::Fault(sig) => sig,
-                            _ => 0,
-                        };
+                        let mut sig = Stopped::of(stop).signal();
                         let exiting = Stopped::of(stop) == Stopped::Exiting;
                         // It made a thread or a process on its way out of the
                         // kernel: that one was attached with its birth and is

@@ -38,6 +38,15 @@ pub enum Stopped {
 }
 
 impl Stopped {
+    /// The signal a thread let go at this stop must get (0 for none): the
+    /// one it was about to receive.
+    pub fn signal(self) -> i32 {
+        match self {
+            Stopped::Signal(sig) | Stopped::Fault(sig) => sig,
+            _ => 0,
+        }
+    }
+
     pub fn of(stop: Stop) -> Stopped {
         match stop {
             Stop::Exited(_) | Stop::Killed { .. } => Stopped::Gone,

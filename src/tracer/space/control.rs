@@ -94,11 +94,7 @@ impl Space {
         let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
             .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
-        control.forbid_wake();
-        if let Some(jump) = self.jump.as_mut() {
-            control.fail_open(jump.alive_ticks);
-            jump.control = Some(control);
-        }
+        self.install_control(control);
         Ok(())
     }
 
@@ -119,14 +115,21 @@ impl Space {
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
         let name = self.room_near(tid, near, maps, 16, signals)?;
         self.mem.write(name, b"memptrace\0")?;
-        let mut control = Control::create(self.pid, tid, insn, name, None, signals)
+        let control = Control::create(self.pid, tid, insn, name, None, signals)
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
+        self.install_control(control);
+        Ok(())
+    }
+
+    /// Make `control` the space's control area: its probes never wake
+    /// memptrace with `tgkill` (see `layout::NO_WAKE`) and, where memptrace
+    /// attached, give up on it once its heartbeat stops.
+    fn install_control(&mut self, mut control: Control) {
         control.forbid_wake();
         if let Some(jump) = self.jump.as_mut() {
             control.fail_open(jump.alive_ticks);
             jump.control = Some(control);
         }
-        Ok(())
     }
 
     /// A NUL-terminated name in the target's memory, for `memfd_create`.
