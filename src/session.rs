@@ -78,6 +78,14 @@ pub fn run(config: Config) -> Result<i32, Error> {
             }
             Ok(0)
         }
+        Config::Completions { shell } => {
+            report::print(&crate::cli::manual::completions(shell))?;
+            Ok(0)
+        }
+        Config::Manual { command } => {
+            report::print(&crate::cli::manual::man_page(command.as_deref())?)?;
+            Ok(0)
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use crate::report::heapmap::{HeapSource, HeapmapOptions};
 #[derive(Debug, Clone, Args)]
 pub struct HeapmapArgs {
     /// A process id (read live), or a trace database (its stored snapshots).
-    #[arg(value_name = "PID|TRACE")]
+    #[arg(value_name = "PID|TRACE", default_value = "trace.db")]
     pub target: String,
 
     /// Draw the arenas' pages into this picture (.png or .svg).

@@ -1,11 +1,14 @@
 //! The command line, parsed by clap into a plain [`Config`]. No system calls
-//! here; `session` acts on the config.
+//! here; `session` acts on the config. A command line that cannot be acted
+//! on is a usage error ([`usage`]): exit status 2, the error, the usage and
+//! one hint.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
 use std::time::Duration;
 
+use clap::error::ErrorKind;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::report::heapmap::{HeapSource, HeapmapOptions};
@@ -13,8 +16,6 @@ use crate::report::{
     Color, ExportOptions, FlamegraphOptions, Format, Metric, PlotOptions, ReportOptions,
     WindowOptions,
 };
-use crate::tracer::ProbeMode;
-use crate::unwind::UnwinderKind;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -22,11 +23,13 @@ use crate::unwind::UnwinderKind;
     version,
     about = "Record every heap allocation call of a program, with its stack and thread, into SQLite",
     long_about = "Record every heap allocation call of a program, with its stack and thread, into SQLite.\n\n\
-memptrace runs PROGRAM under ptrace (or attaches to a running process), plants breakpoints on \
-malloc, calloc, realloc, free and the rest of the allocator API in every ELF image (static \
-binaries included), and writes each call to a SQLite database. Query it with sqlite3; see \
-docs/queries.md.",
-    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace -o web.db attach 1234\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
+memptrace runs PROGRAM under ptrace (or attaches to a running process) and hooks malloc, \
+calloc, realloc, free and the rest of the allocator API in every ELF image (static binaries \
+included): by default with a jump to code it writes into the program, which records each call \
+there without stopping it (--probes int3: a breakpoint and a ptrace stop per call). Each call \
+goes to a SQLite database: read it with `memptrace report`, or query it with sqlite3 (see \
+docs/queries.md).",
+    after_help = "Examples:\n  memptrace -o trace.db -- ./myprog --flag\n  memptrace attach 1234 --duration 30\n  memptrace -o web.db attach 1234\n  memptrace report trace.db\n  memptrace flamegraph trace.db -o leaks.svg --metric leaked\n  memptrace completions bash > ~/.local/share/bash-completion/completions/memptrace\n  sqlite3 trace.db \"SELECT op, count(*), sum(size) FROM events GROUP BY op\"",
     subcommand_negates_reqs = true
 )]
 pub struct Cli {
@@ -70,6 +73,12 @@ pub enum Command {
     /// fragmentation, cached, resident), of a running process (read without
     /// stopping it) or as stored in a trace; -o draws its pages.
     Heapmap(HeapmapArgs),
+    /// Print the shell completion script of memptrace (bash, zsh, fish,
+    /// elvish, powershell).
+    Completions(CompletionsArgs),
+    /// Print the man page of memptrace, or of one of its commands (roff:
+    /// `memptrace man | man -l -`).
+    Man(ManArgs),
 }
 
 /// The trace a report reads.
@@ -144,18 +153,17 @@ pub struct PlotArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-#[command(group = clap::ArgGroup::new("outputs").required(true).multiple(true))]
 pub struct ExportArgs {
     #[command(flatten)]
     pub file: TraceFile,
 
     /// Write a gzipped pprof profile (alloc_objects, alloc_space,
     /// inuse_objects, inuse_space).
-    #[arg(long, value_name = "PATH", group = "outputs")]
+    #[arg(long, value_name = "PATH")]
     pub pprof: Option<PathBuf>,
 
     /// Write folded stacks, one `outer;...;inner value` line per stack.
-    #[arg(long, value_name = "PATH", group = "outputs")]
+    #[arg(long, value_name = "PATH")]
     pub collapsed: Option<PathBuf>,
 
     /// What the folded stacks are weighed by.
@@ -245,162 +253,6 @@ fn parse_size(text: &str) -> Result<(u32, u32), String> {
     Ok((w, h))
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct AttachArgs {
-    /// The process to trace.
-    #[arg(value_name = "PID")]
-    pub pid: i32,
-
-    /// Stop tracing after this many seconds.
-    #[arg(long, value_name = "SECONDS", value_parser = parse_duration)]
-    pub duration: Option<Duration>,
-
-    #[command(flatten)]
-    pub trace: TraceArgs,
-}
-
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    let secs: f64 = text
-        .parse()
-        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
-    if !(secs.is_finite() && secs > 0.0) {
-        return Err(format!("{text:?}: give a positive number of seconds"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// Options of a trace. Each is optional here, so that options given before
-/// `attach` and after it can be told apart and put together
-/// ([`TraceArgs::merge`]); the defaults are applied in [`TraceConfig`].
-#[derive(Debug, Clone, Default, Args)]
-pub struct TraceArgs {
-    /// Database to write [default: trace.db].
-    #[arg(short, long, value_name = "PATH")]
-    pub output: Option<PathBuf>,
-
-    /// Replace the output file if it exists.
-    #[arg(long)]
-    pub force: bool,
-
-    /// Frames recorded per stack, at most [default: 128].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub max_depth: Option<u32>,
-
-    /// How stacks are unwound [default: framehop].
-    #[arg(long, value_enum)]
-    pub unwinder: Option<UnwinderArg>,
-
-    /// Record every call but no stacks (fastest).
-    #[arg(long)]
-    pub no_stacks: bool,
-
-    /// Unwind the stack of every Nth call from each call site only (the 1st,
-    /// the N+1th, ...); every call is still recorded, the others with their
-    /// caller as a one-frame stack [default: 1].
-    #[arg(long, value_name = "N", conflicts_with = "no_stacks",
-          value_parser = clap::value_parser!(u64).range(1..))]
-    pub stack_every: Option<u64>,
-    /// Trace forked children too, into the same database (without it they
-    /// are released unharmed).
-    #[arg(short = 'f', long)]
-    pub follow_forks: bool,
-
-    /// How calls are caught: recorded inside the program with no stop
-    /// (jump), or with a ptrace stop each (int3, the reference) [default:
-    /// jump, or the environment's MEMPTRACE_PROBES].
-    #[arg(long, value_enum)]
-    pub probes: Option<ProbesArg>,
-
-    /// Sample the resident and mapped memory of the traced processes every
-    /// MS milliseconds into the rss table; 0 turns it off [default: 100].
-    #[arg(long, value_name = "MS")]
-    pub rss_interval: Option<u64>,
-
-    #[command(flatten)]
-    pub wrappers: WrapperArgs,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ProbesArg {
-    /// A jump to code that records the call in the program (default).
-    Jump,
-    /// A breakpoint and a ptrace stop per call.
-    Int3,
-}
-
-/// The user's allocator wrappers, for a trace and for the reports.
-#[derive(Debug, Clone, Default, Args)]
-pub struct WrapperArgs {
-    /// A function that allocates on behalf of its caller (xmalloc,
-    /// g_malloc, Perl_safesysmalloc...): a regular expression searched in
-    /// demangled function names, such as '^xmalloc$'. Its callers are the
-    /// call sites (view call_sites, report, flame graphs), as for operator
-    /// new and the other built-in wrappers. Repeat it for more.
-    #[arg(long = "wrapper", value_name = "REGEX", value_parser = crate::wrappers::check)]
-    pub wrappers: Vec<String>,
-}
-
-impl TraceArgs {
-    /// The options given before a subcommand and after it, as one; an
-    /// option given on both sides is refused.
-    pub fn merge(self, after: TraceArgs) -> Result<TraceArgs, String> {
-        fn once<T>(name: &str, a: Option<T>, b: Option<T>) -> Result<Option<T>, String> {
-            match (a, b) {
-                (Some(_), Some(_)) => Err(format!("{name} is given twice")),
-                (a, b) => Ok(a.or(b)),
-            }
-        }
-        let merged = TraceArgs {
-            output: once("--output", self.output, after.output)?,
-            force: self.force || after.force,
-            max_depth: once("--max-depth", self.max_depth, after.max_depth)?,
-            unwinder: once("--unwinder", self.unwinder, after.unwinder)?,
-            no_stacks: self.no_stacks || after.no_stacks,
-            stack_every: once("--stack-every", self.stack_every, after.stack_every)?,
-            follow_forks: self.follow_forks || after.follow_forks,
-            probes: once("--probes", self.probes, after.probes)?,
-            rss_interval: once("--rss-interval", self.rss_interval, after.rss_interval)?,
-            wrappers: WrapperArgs {
-                wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
-            },
-        };
-        if merged.no_stacks && merged.stack_every.is_some() {
-            return Err("--no-stacks and --stack-every cannot be used together".to_string());
-        }
-        Ok(merged)
-    }
-
-    /// The options given, by name (to refuse them where they do not apply).
-    pub fn given(&self) -> Vec<&'static str> {
-        let mut names = Vec::new();
-        let flags = [
-            (self.output.is_some(), "--output"),
-            (self.force, "--force"),
-            (self.max_depth.is_some(), "--max-depth"),
-            (self.unwinder.is_some(), "--unwinder"),
-            (self.no_stacks, "--no-stacks"),
-            (self.stack_every.is_some(), "--stack-every"),
-            (self.follow_forks, "--follow-forks"),
-            (self.probes.is_some(), "--probes"),
-            (self.rss_interval.is_some(), "--rss-interval"),
-        ];
-        for (given, name) in flags {
-            if given {
-                names.push(name);
-            }
-        }
-        names
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum UnwinderArg {
-    /// DWARF CFI and frame pointers over a copy of the stack (default, fast).
-    Framehop,
-    /// libunwind-ptrace, reading the stopped thread's memory.
-    Libunwind,
-}
-
 /// What to do, as plain data.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Config {
@@ -437,49 +289,10 @@ pub enum Config {
         source: HeapSource,
         options: HeapmapOptions,
     },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceConfig {
-    pub output: PathBuf,
-    pub force: bool,
-    pub max_depth: usize,
-    pub unwinder: UnwinderKind,
-    pub stacks: bool,
-    /// Take a full stack for every Nth call of each call site (1: all).
-    pub stack_every: u64,
-    pub follow_forks: bool,
-    pub probes: ProbeMode,
-    /// The user's allocator wrappers (regular expressions).
-    pub wrappers: Vec<String>,
-    /// Milliseconds between samples of resident memory; 0: none.
-    pub rss_interval_ms: u64,
-}
-
-impl TraceConfig {
-    /// The options of a trace with their defaults; `env_probes` is
-    /// `MEMPTRACE_PROBES`, used when `--probes` is not given (read once,
-    /// here, rather than by clap on both sides of `attach`).
-    fn new(a: TraceArgs, env_probes: Option<ProbesArg>) -> TraceConfig {
-        TraceConfig {
-            output: a.output.unwrap_or_else(|| PathBuf::from("trace.db")),
-            force: a.force,
-            max_depth: a.max_depth.unwrap_or(128) as usize,
-            unwinder: match a.unwinder.unwrap_or(UnwinderArg::Framehop) {
-                UnwinderArg::Framehop => UnwinderKind::Framehop,
-                UnwinderArg::Libunwind => UnwinderKind::Libunwind,
-            },
-            stacks: !a.no_stacks,
-            stack_every: a.stack_every.unwrap_or(1),
-            follow_forks: a.follow_forks,
-            probes: match a.probes.or(env_probes).unwrap_or(ProbesArg::Jump) {
-                ProbesArg::Jump => ProbeMode::Jump,
-                ProbesArg::Int3 => ProbeMode::Int3,
-            },
-            wrappers: a.wrappers.wrappers,
-            rss_interval_ms: a.rss_interval.unwrap_or(100),
-        }
-    }
+    /// Print a shell's completion script.
+    Completions { shell: clap_complete::Shell },
+    /// Print a man page: memptrace's, or a command's.
+    Manual { command: Option<String> },
 }
 
 impl From<ViewArgs> for ReportOptions {
@@ -522,33 +335,38 @@ impl Command {
             Command::Export(_) => "export",
             Command::Window(_) => "window",
             Command::Heapmap(_) => "heapmap",
+            Command::Completions(_) => "completions",
+            Command::Man(_) => "man",
         }
     }
 }
 
 impl Cli {
-    /// Parse the process's arguments; on a usage error print it as clap
-    /// does and exit with status 2.
+    /// Parse the process's arguments; on a usage error print it (the
+    /// error, the usage, one hint) and exit with status 2.
     pub fn config_from_args() -> Config {
         let env_probes = std::env::var("MEMPTRACE_PROBES").ok();
-        Cli::parse()
-            .into_config(env_probes.as_deref())
-            .unwrap_or_else(|err| err.exit())
+        let args: Vec<OsString> = std::env::args_os().collect();
+        Cli::try_parse_from(&args)
+            .map_err(|err| usage::with_hint(err, &args))
+            .and_then(|cli| cli.into_config(env_probes.as_deref()))
+            .unwrap_or_else(|err| usage::exit(err))
     }
 
     /// The plain config. Options of a trace may come before `attach` as well
     /// as after it; before another subcommand they are a usage error.
     /// `env_probes` is the value of `MEMPTRACE_PROBES`, if set.
     pub fn into_config(self, env_probes: Option<&str>) -> Result<Config, clap::Error> {
-        let usage = |message: String| {
-            <Cli as clap::CommandFactory>::command()
-                .error(clap::error::ErrorKind::ArgumentConflict, message)
+        let conflict = |command: Option<&str>, message: String| {
+            usage::error(command, ErrorKind::ArgumentConflict, message, None)
         };
         let env_probes = match env_probes {
             Some(value) => Some(ProbesArg::from_str(value, true).map_err(|_| {
-                <Cli as clap::CommandFactory>::command().error(
-                    clap::error::ErrorKind::InvalidValue,
+                usage::error(
+                    None,
+                    ErrorKind::InvalidValue,
                     format!("MEMPTRACE_PROBES={value:?}: give jump or int3"),
+                    None,
                 )
             })?),
             None => None,
@@ -563,15 +381,28 @@ impl Cli {
                 given.push("--wrapper");
             }
             if name != "attach" && !given.is_empty() {
-                return Err(usage(format!(
-                    "{} before `{name}`: options of a trace go with `memptrace [OPTIONS] -- PROGRAM` or `memptrace attach PID [OPTIONS]`",
-                    given.join(", ")
-                )));
+                return Err(usage::error(
+                    Some(name),
+                    ErrorKind::ArgumentConflict,
+                    format!(
+                        "{} before `{name}`: options of a trace go with `memptrace [OPTIONS] -- PROGRAM` or `memptrace attach PID [OPTIONS]`",
+                        given.join(", ")
+                    ),
+                    Some(format!(
+                        "the options of `{name}` go after it: memptrace {name} --help lists them"
+                    )),
+                ));
             }
-        } else if self.duration.is_some() {
-            return Err(usage(
-                "--duration applies to `attach` (a launched program is traced until it exits)"
-                    .to_string(),
+        } else if let Some(duration) = self.duration {
+            return Err(usage::error(
+                None,
+                ErrorKind::ArgumentConflict,
+                "--duration applies to `attach` (a launched program is traced until it exits)",
+                Some(format!(
+                    "to trace a running process for {} s: memptrace attach PID --duration {}",
+                    duration.as_secs_f64(),
+                    duration.as_secs_f64()
+                )),
             ));
         }
         // --wrapper before a report command is the report's.
@@ -583,9 +414,14 @@ impl Cli {
                 program: self.program,
             },
             Some(Command::Attach(a)) => {
-                let trace = self.trace.merge(a.trace).map_err(usage)?;
+                let trace = self
+                    .trace
+                    .merge(a.trace)
+                    .map_err(|m| conflict(Some("attach"), m))?;
                 let duration = match (self.duration, a.duration) {
-                    (Some(_), Some(_)) => return Err(usage("--duration is given twice".into())),
+                    (Some(_), Some(_)) => {
+                        return Err(conflict(Some("attach"), "--duration is given twice".into()));
+                    }
                     (before, after) => before.or(after),
                 };
                 Config::Attach {
@@ -617,6 +453,17 @@ impl Cli {
                     height: a.size.1,
                 },
             },
+            Some(Command::Export(a)) if a.pprof.is_none() && a.collapsed.is_none() => {
+                return Err(usage::error(
+                    Some("export"),
+                    ErrorKind::MissingRequiredArgument,
+                    "nothing to export: give --pprof PATH, --collapsed PATH, or both",
+                    Some(format!(
+                        "memptrace export {} --pprof heap.pb.gz",
+                        usage::quoted(a.file.trace.as_os_str())
+                    )),
+                ));
+            }
             Some(Command::Export(a)) => Config::Export {
                 trace: a.file.trace,
                 options: ExportOptions {
@@ -626,7 +473,11 @@ impl Cli {
                     wrappers: with_before(a.wrappers.wrappers),
                 },
             },
-            Some(Command::Heapmap(a)) => a.into_config().map_err(usage)?,
+            Some(Command::Heapmap(a)) => {
+                a.into_config().map_err(|m| conflict(Some("heapmap"), m))?
+            }
+            Some(Command::Completions(a)) => Config::Completions { shell: a.shell },
+            Some(Command::Man(a)) => Config::Manual { command: a.command },
             Some(Command::Window(mut a)) => Config::Window {
                 trace: a.file.trace,
                 options: WindowOptions {
@@ -643,7 +494,13 @@ impl Cli {
 }
 
 mod heapmap;
+pub mod manual;
 #[cfg(test)]
 mod tests;
+mod trace;
+pub mod usage;
 
 pub use heapmap::HeapmapArgs;
+pub use manual::{CompletionsArgs, ManArgs};
+use trace::parse_duration;
+pub use trace::{AttachArgs, ProbesArg, TraceArgs, TraceConfig, UnwinderArg, WrapperArgs};

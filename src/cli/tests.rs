@@ -1,6 +1,8 @@
 //! Parse tests: the command line as users type it, into the plain config.
 
 use super::*;
+use crate::tracer::ProbeMode;
+use crate::unwind::UnwinderKind;
 use clap::CommandFactory;
 
 fn parse(args: &[&str]) -> Result<Config, clap::Error> {
@@ -423,10 +425,8 @@ fn export_options() {
     assert_eq!(options.pprof, Some(PathBuf::from("p.pb.gz")));
     assert_eq!(options.collapsed, Some(PathBuf::from("c.txt")));
     assert_eq!(options.metric, Metric::Allocated);
-    assert!(
-        parse(&["memptrace", "export", "t.db"]).is_err(),
-        "an output is required"
-    );
+    let err = parse(&["memptrace", "export", "t.db"]).expect_err("an output is required");
+    assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
 }
 
 #[test]
@@ -516,8 +516,15 @@ fn heapmap_of_a_process_or_a_trace() {
         parse(&["memptrace", "heapmap", "12", "--snapshot", "1"]).is_err(),
         "--snapshot reads a trace"
     );
-    assert!(
-        parse(&["memptrace", "heapmap"]).is_err(),
-        "PID|TRACE is required"
+    // As every command that reads a trace: trace.db by default.
+    let Ok(Config::Heapmap { source, .. }) = parse(&["memptrace", "heapmap"]) else {
+        panic!("not a heapmap");
+    };
+    assert_eq!(
+        source,
+        HeapSource::Trace {
+            path: PathBuf::from("trace.db"),
+            snapshot: None
+        }
     );
 }

@@ -66,9 +66,8 @@ pub fn folded_text(lines: &[(String, u64)]) -> String {
 pub fn svg(lines: &[(String, u64)], metric: Metric, title: &str) -> Result<Vec<u8>, ReportError> {
     if lines.is_empty() {
         return Err(ReportError::Empty(format!(
-            "no stack has any {} {}; try another --metric",
-            metric.name(),
-            metric.unit()
+            "no stack has any {}; try another --metric",
+            metric.describe()
         )));
     }
     let mut options = flamegraph::Options::default();

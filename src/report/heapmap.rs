@@ -109,10 +109,24 @@ impl HeapReport {
             .optional()
             .map_err(q)?;
         let Some((snapshot, pid, moment, error)) = row else {
-            return Err(ReportError::Empty(match id {
-                Some(id) => format!("the trace has no heap snapshot {id} (see heap_snapshots)"),
-                None => "the trace has no heap snapshot (heap maps are taken at attach, detach and exit of glibc programs)".to_string(),
-            }));
+            let mut stmt = conn
+                .prepare("SELECT id || ' at ' || moment FROM heap_snapshots ORDER BY id")
+                .map_err(q)?;
+            let ids = stmt
+                .query_map([], |r| r.get::<_, String>(0))
+                .map_err(q)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(q)?;
+            let what = match id {
+                Some(id) if !ids.is_empty() => {
+                    format!("no heap snapshot {id}; its snapshots: {}", ids.join(", "))
+                }
+                _ => "no heap snapshot (heap maps are taken at attach, detach and exit of glibc programs)".to_string(),
+            };
+            return Err(ReportError::NotInTrace {
+                path: trace.path.clone(),
+                what,
+            });
         };
         let mut report = HeapReport {
             pid,

@@ -99,6 +99,16 @@ impl Metric {
             _ => "bytes",
         }
     }
+
+    /// What the metric counts, in words (titles, messages).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Metric::Leaked => "leaked bytes",
+            Metric::Allocated => "allocated bytes",
+            Metric::Calls => "allocator calls",
+            Metric::Peak => "bytes in use at the peak",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -181,6 +191,8 @@ pub enum ReportError {
     Wrapper { path: PathBuf, source: regex::Error },
     #[error("nothing to draw: {0}")]
     Empty(String),
+    #[error("{}: {what}", path.display())]
+    NotInTrace { path: PathBuf, what: String },
     #[error("writing JSON failed: {0}")]
     Json(serde_json::Error),
 }

@@ -55,9 +55,8 @@ pub fn run_flamegraph(path: &Path, options: &FlamegraphOptions) -> Result<(), Re
     let table = StackTable::load(&trace, &options.wrappers)?;
     let lines = flame::folded(&analysis, &table, options.metric);
     let title = format!(
-        "memptrace: {} {} of {}",
-        options.metric.name(),
-        options.metric.unit(),
+        "memptrace: {} of {}",
+        options.metric.describe(),
         command(&trace)?
     );
     let svg = flame::svg(&lines, options.metric, &title)?;
@@ -110,15 +109,37 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
 /// `memptrace window`.
 pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
-    let table = StackTable::load(&trace, &options.report.wrappers)?;
     let clamp = |ns: u64| ns.min(i64::MAX as u64) as i64;
-    let report = window::analyse(
-        &trace,
-        &table,
-        clamp(options.from_ns),
-        clamp(options.to_ns),
-        options.report.top,
-    )?;
+    let (from_ns, to_ns) = (clamp(options.from_ns), clamp(options.to_ns));
+    // A window past the end of the trace is cut there, and said so.
+    let (end, finished) = window::trace_end(&trace)?;
+    let reach = if finished {
+        "ends at"
+    } else {
+        "reaches, so far,"
+    };
+    if from_ns > end {
+        return Err(ReportError::NotInTrace {
+            path: trace.path.clone(),
+            what: format!(
+                "the trace {reach} {}, before --from {}: the window holds nothing",
+                text::seconds(end),
+                text::seconds(from_ns)
+            ),
+        });
+    }
+    let to_ns = if to_ns > end {
+        eprintln!(
+            "memptrace: warning: the trace {reach} {}, before --to {}: the window ends there",
+            text::seconds(end),
+            text::seconds(to_ns)
+        );
+        end
+    } else {
+        to_ns
+    };
+    let table = StackTable::load(&trace, &options.report.wrappers)?;
+    let report = window::analyse(&trace, &table, from_ns, to_ns, options.report.top)?;
     let out = match options.report.format {
         Format::Json => json(&report)?,
         Format::Text => window::render(

@@ -111,6 +111,25 @@ struct Block {
     stack: Option<i64>,
 }
 
+/// Where the trace ends, in nanoseconds since it started, and whether it
+/// has ended: its `duration_ns`, or, while it is still being recorded, the
+/// time of its last event.
+pub fn trace_end(trace: &Trace) -> Result<(i64, bool), ReportError> {
+    if let Some(ns) = trace.meta("duration_ns")?.and_then(|d| d.parse().ok()) {
+        return Ok((ns, true));
+    }
+    let last: i64 = trace
+        .conn
+        .query_row(
+            "SELECT coalesce(max(ts_ns), 0) FROM event_log
+             WHERE id = (SELECT max(id) FROM event_log)",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| trace.err(e))?;
+    Ok((last, false))
+}
+
 /// Classify the blocks of the window [from_ns, to_ns]: one pass over the
 /// events up to `to_ns`.
 pub fn analyse(

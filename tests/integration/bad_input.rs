@@ -2,7 +2,8 @@
 //! non-zero exit (127 for a program that cannot be found and 126 for one
 //! that cannot be run, as a shell would say; 1 for everything memptrace
 //! refuses), never a panic, and leaves no database behind (or, for an
-//! existing file, leaves it untouched).
+//! existing file, leaves it untouched). A command line that cannot be
+//! parsed is a usage error: exit 2, the error, the usage and one hint.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -250,6 +251,31 @@ fn usage_errors_come_from_clap() {
     let out = run(&mut memptrace(), b"");
     assert_eq!(out.code(), 2);
     assert!(out.stderr.contains("Usage"), "{}", out.stderr);
+    // heaptrack's way, `memptrace ./prog`, and --duration on a launch: the
+    // error, one hint, the usage; nothing is created.
+    let usage =
+        "Usage: memptrace [OPTIONS] -- <PROGRAM>...\n       memptrace [OPTIONS] <COMMAND>\n";
+    let dir = scratch("usage");
+    for (args, says) in [
+        (
+            &["./prog", "--its-flag"][..],
+            "error: unexpected argument './prog' found\n\n  \
+             tip: to trace a program, put -- before it: memptrace -- ./prog --its-flag\n\n",
+        ),
+        (
+            &["--duration", "30", "--", "./prog"],
+            "error: --duration applies to `attach` (a launched program is traced until it exits)\n\n  \
+             tip: to trace a running process for 30 s: memptrace attach PID --duration 30\n\n",
+        ),
+    ] {
+        let out = run(memptrace().current_dir(&dir).args(args), b"");
+        assert_eq!(
+            (out.code(), out.stderr.as_str()),
+            (2, format!("{says}{usage}").as_str()),
+            "{args:?}"
+        );
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "{args:?}");
+    }
     // Options of a trace before a report command, or given twice.
     for (args, says) in [
         (

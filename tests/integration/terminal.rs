@@ -1,7 +1,7 @@
 //! memptrace on a terminal of 40 columns, as a pseudo-terminal the test
 //! reads every byte of: a launched program's output arrives exactly as the
 //! program wrote it (no progress line drawn over it, none left between its
-//! lines); an attach draws its progress line when the process writes
+//! lines), followed by where the trace went; an attach draws its progress line when the process writes
 //! elsewhere, never wider than the terminal, and nothing when the process
 //! writes to that same terminal.
 
@@ -153,9 +153,10 @@ fn visible_lines(text: &str) -> Vec<String> {
 }
 
 /// A program printing five lines over about a second and a half, launched
-/// under memptrace: the terminal receives its lines and nothing else, byte
-/// for byte (before, a progress line was drawn every 200 ms and redrawn by
-/// moving up and erasing, which took the program's lines with it).
+/// under memptrace: the terminal receives its lines, byte for byte, and
+/// after them the one line where memptrace says where the trace is and how
+/// to read it (before, a progress line was drawn every 200 ms and redrawn
+/// by moving up and erasing, which took the program's lines with it).
 #[test]
 fn launch_leaves_the_programs_lines_alone() {
     let pty = Pty::open();
@@ -174,8 +175,13 @@ fn launch_leaves_the_programs_lines_alone() {
     let text = pty.close();
     assert_eq!(status.code(), Some(0), "{text:?}");
     assert_eq!(
-        text, "line 1\r\nline 2\r\nline 3\r\nline 4\r\nline 5\r\n",
-        "the terminal shows the program's lines and nothing else"
+        text,
+        format!(
+            "line 1\r\nline 2\r\nline 3\r\nline 4\r\nline 5\r\n\
+             memptrace: trace written to {db}; read it with: memptrace report {db}\r\n",
+            db = db.display()
+        ),
+        "the terminal shows the program's lines, then where the trace is"
     );
 }
 
