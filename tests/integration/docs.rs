@@ -1,5 +1,6 @@
 //! The queries the documentation shows run on a real trace: every ```sql
-//! block of README.md, docs/queries.md and docs/schema.md.
+//! block of README.md, docs/queries.md and docs/schema.md; and every option
+//! of `--help` is documented.
 
 use crate::support::{Variant, trace};
 
@@ -39,4 +40,51 @@ fn documented_queries_run() {
         }
     }
     assert!(ran >= 15, "only {ran} documented queries found");
+}
+
+/// Every option `--help` lists, of memptrace and of each command, is
+/// documented in README.md or docs/reports.md (but --help and --version).
+#[test]
+fn every_option_is_documented() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let docs: String = ["README.md", "docs/reports.md"]
+        .iter()
+        .map(|doc| std::fs::read_to_string(root.join(doc)).unwrap())
+        .collect();
+    let option = regex::Regex::new(r"^\s+(?:-[a-zA-Z], )?(--[a-z][a-z-]+)").unwrap();
+    let mut checked = 0;
+    for command in [
+        None,
+        Some("attach"),
+        Some("report"),
+        Some("flamegraph"),
+        Some("plot"),
+        Some("export"),
+        Some("window"),
+        Some("heapmap"),
+        Some("completions"),
+        Some("man"),
+    ] {
+        let out = crate::support::run(crate::support::memptrace().args(command).arg("--help"), b"");
+        assert_eq!(out.code(), 0, "{}", out.stderr);
+        for line in out.stdout.lines() {
+            let Some(name) = option.captures(line).map(|c| c[1].to_string()) else {
+                continue;
+            };
+            if name != "--help" && name != "--version" {
+                assert!(
+                    docs.contains(&name),
+                    "{command:?}: {name} is not documented"
+                );
+                checked += 1;
+            }
+        }
+        if let Some(command) = command {
+            assert!(
+                docs.contains(&format!("memptrace {command}")),
+                "`memptrace {command}` is not documented"
+            );
+        }
+    }
+    assert!(checked >= 30, "only {checked} options found");
 }
