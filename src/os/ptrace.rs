@@ -32,6 +32,14 @@ pub const OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD
 /// process's own threads or children gets EXITKILL either.
 pub const ATTACH_OPTIONS: libc::c_int = OPTIONS & !libc::PTRACE_O_EXITKILL;
 
+/// Options left on a thread memptrace is letting go but may still run a
+/// system call in (a vfork parent at detach): nothing it makes is attached
+/// any more, but a syscall-stop still reads as one. Without TRACESYSGOOD
+/// a syscall-stop is a plain SIGTRAP stop, and a thread the kernel lets go
+/// from it, when memptrace dies, is sent that SIGTRAP (`ptrace_report_syscall`
+/// sends the stop's code as a signal; SIGTRAP | 0x80 is no signal).
+pub const RELEASE_OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD;
+
 fn check(ret: libc::c_long) -> io::Result<libc::c_long> {
     if ret == -1 {
         Err(io::Error::last_os_error())
@@ -70,6 +78,42 @@ pub fn cont(tid: Tid, sig: i32) -> io::Result<()> {
 /// (`ptrace(2)`, "Group-stop": PTRACE_LISTEN, for seized tracees only).
 pub fn listen(tid: Tid) -> io::Result<()> {
     request(libc::PTRACE_LISTEN, tid, 0, 0).map(drop)
+}
+
+/// Resume a stopped thread until it enters or leaves a system call
+/// (PTRACE_SYSCALL; with TRACESYSGOOD, a [`Stop::Syscall`]). Unlike a
+/// single step it leaves no trap flag behind: a thread the kernel lets go
+/// when memptrace dies runs on without a SIGTRAP.
+pub fn syscall(tid: Tid) -> io::Result<()> {
+    request(libc::PTRACE_SYSCALL, tid, 0, 0).map(drop)
+}
+
+/// Where a thread stopped after [`syscall`] stands: entering a system call,
+/// leaving one, or neither (a signal-delivery-stop). Told by
+/// PTRACE_GET_SYSCALL_INFO, which needs no TRACESYSGOOD (a thread memptrace
+/// is letting go may have had its options cleared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyscallStop {
+    Entry,
+    Exit,
+    Neither,
+}
+
+pub fn syscall_stop(tid: Tid) -> io::Result<SyscallStop> {
+    // SAFETY: an all-zero ptrace_syscall_info is a valid value (integers
+    // and a union of integer arrays).
+    let mut info: libc::ptrace_syscall_info = unsafe { std::mem::zeroed() };
+    request(
+        libc::PTRACE_GET_SYSCALL_INFO,
+        tid,
+        std::mem::size_of_val(&info),
+        &mut info as *mut _ as usize,
+    )?;
+    Ok(match info.op {
+        libc::PTRACE_SYSCALL_INFO_ENTRY => SyscallStop::Entry,
+        libc::PTRACE_SYSCALL_INFO_EXIT => SyscallStop::Exit,
+        _ => SyscallStop::Neither,
+    })
 }
 
 pub fn single_step(tid: Tid) -> io::Result<()> {
@@ -137,7 +181,8 @@ pub enum Stop {
     /// PTRACE_EVENT_STOP: group-stop (sig is the stopping signal), the first stop of
     /// an auto-attached thread, or a PTRACE_INTERRUPT.
     EventStop(i32),
-    /// Syscall-stop (not requested by memptrace; reported for completeness).
+    /// Syscall-stop: only while memptrace runs a system call in the thread
+    /// (see `tracer::inject`).
     Syscall,
 }
 

@@ -343,8 +343,8 @@ impl Tracer {
                 let sig = deliver.remove(&tid).unwrap_or(0);
                 // Nothing it makes from now on is attached to memptrace (a
                 // next vfork's child would hold it again), and memptrace's
-                // exit does not kill it.
-                let _ = ptrace::set_options(tid, 0);
+                // exit does not kill it (see `ptrace::RELEASE_OPTIONS`).
+                let _ = ptrace::set_options(tid, ptrace::RELEASE_OPTIONS);
                 // This stop, if queued, is over once it runs.
                 let _ = self.stops.take_of(tid);
                 if ptrace::cont(tid, sig).is_ok() {
@@ -533,7 +533,7 @@ impl Tracer {
                             if let Some(child) = born {
                                 let _ = ptrace::detach(child, 0);
                             }
-                            let _ = ptrace::set_options(tid, 0);
+                            let _ = ptrace::set_options(tid, ptrace::RELEASE_OPTIONS);
                             let _ = ptrace::cont(tid, sig);
                             continue;
                         }

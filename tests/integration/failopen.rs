@@ -176,3 +176,55 @@ fn in_tracing_stop(pid: i32, tid: i32) -> bool {
         .and_then(|stat| Some(stat.rsplit_once(") ")?.1.starts_with('t')))
         .unwrap_or(false)
 }
+
+/// SIGKILL of memptrace while it runs a system call in a thread of the
+/// process it attaches to (`MEMPTRACE_DIE_IN_CALL=k`: memptrace kills
+/// itself at the k-th moment a thread holds an injected call's registers:
+/// set, at the call's entry, at its exit; three per call). Every call after
+/// the first goes through memptrace's stub, after which the thread puts
+/// its own registers back (`tracer::inject`): the process runs on and ends
+/// well. Jump probes in both suite modes: with int3 probes memptrace's
+/// death kills the process anyway (said at the attach).
+///
+/// The first call of an attach (k = 1 to 3), which maps the stub's page,
+/// and the last of a detach, which unmaps it, go through the program's own
+/// `syscall` instruction; a death there is not survived, nor one during a
+/// detach while a thread stands at a SIGTRAP stop (docs/design.md).
+#[test]
+fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tracee(Variant::Dynamic, "failopen")
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    // The attach of this tracee injects six calls (18 moments).
+    for k in [4, 5, 6, 8, 13, 17] {
+        let mut target = Background::interactive(
+            Command::new(dir.join("failopen"))
+                .arg(dir.join("libplugin.so"))
+                .arg("20000"),
+        );
+        let pid: i32 = target.wait_for("ready").parse().unwrap();
+        let db = scratch(&format!("failopen-die-{k}")).join("trace.db");
+        let tracer = Background::start(
+            memptrace()
+                .env("MEMPTRACE_DIE_IN_CALL", k.to_string())
+                .args(["attach", "--probes", "jump", &pid.to_string(), "-o"])
+                .arg(&db),
+        );
+        let out = tracer.finish();
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGKILL),
+            "k = {k}: {}",
+            out.stderr
+        );
+        // The kernel let it go when memptrace died.
+        assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+        target.send("go\n");
+        let end = target.finish();
+        assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stderr);
+        assert!(end.stdout.contains("tracer 0"), "k = {k}: {}", end.stdout);
+        assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+    }
+}

@@ -86,12 +86,12 @@ impl Space {
         parent: &Control,
         signals: &mut Vec<i32>,
     ) -> Result<(), String> {
-        let insn = self.syscall_insn().ok_or("no syscall instruction")?;
         probe_calls(tid).map_err(|e| e.to_string())?;
         let name = self
             .name_in_target(tid, signals)
             .map_err(|e| e.to_string())?;
-        let mut control = Control::create(self.pid, tid, insn, name, Some(parent.remote), signals)
+        let via = self.via().ok_or("no syscall instruction")?;
+        let mut control = Control::create(self.pid, tid, via, name, Some(parent.remote), signals)
             .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
         self.install_control(control);
@@ -110,12 +110,12 @@ impl Space {
             jump.tried = true;
         }
         probe_calls(tid)?;
-        let insn = self
-            .syscall_insn()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
         let name = self.room_near(tid, near, maps, 16, signals)?;
         self.mem.write(name, b"memptrace\0")?;
-        let control = Control::create(self.pid, tid, insn, name, None, signals)
+        let via = self
+            .via()
+            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+        let control = Control::create(self.pid, tid, via, name, None, signals)
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
         self.install_control(control);
         Ok(())

@@ -134,6 +134,9 @@ pub struct Space {
     /// Why a system call hooking needed was not made, the first time one
     /// was not (the thread's seccomp filter does not allow it).
     pub refused: Option<String>,
+    /// The stub injected system calls go through, once a trampoline area
+    /// holds it (see [`inject::stub`]): its address and its save area's.
+    stub: Option<(u64, u64)>,
 }
 
 impl Space {
@@ -169,6 +172,7 @@ impl Space {
             jump,
             fallback: None,
             refused: None,
+            stub: None,
         })
     }
 
@@ -236,6 +240,8 @@ impl Space {
             }),
             fallback: self.fallback.clone(),
             refused: None,
+            // In the child's copy of the trampoline areas.
+            stub: self.stub,
         })
     }
 
@@ -361,12 +367,12 @@ impl Space {
             .areas
             .take_anywhere(SLOT_SIZE)
             .ok_or_else(|| SpaceError::NoRoom("no free trampoline slot".into()))?;
-        let insn = self
-            .syscall_insn()
+        let via = self
+            .via()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
         let name = self.name_in_target(tid, signals)?;
         let len = BUFFERS as u64 * BUFFER_STRIDE;
-        let (remote, map) = inject::shared_memory(self.pid, tid, insn, name, len, None, signals)
+        let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)
             .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
         self.shared = Some(remote..remote + len);
         self.mem.write(routine, &COPY_ROUTINE)?;
@@ -568,7 +574,7 @@ impl Space {
         if let Some(at) = self.areas.take(len, &module.range) {
             return Ok(at);
         }
-        let insn = self.syscall_insn().ok_or_else(|| {
+        let via = self.via().ok_or_else(|| {
             SpaceError::NoRoom("no syscall instruction to map a page with".into())
         })?;
         let size = if self.jump.is_some() {
@@ -585,13 +591,14 @@ impl Space {
             size,
         );
         for addr in candidates {
-            match inject::map_code(tid, insn, addr, size) {
+            match inject::map_code(tid, via, addr, size) {
                 Ok(done) => {
                     signals.extend(done.signals);
                     if done.value != addr {
                         continue;
                     }
                     self.areas.add(addr, size, len);
+                    self.place_stub()?;
                     return Ok(addr);
                 }
                 Err(inject::InjectError::Errno(libc::EEXIST)) => continue,
@@ -682,6 +689,7 @@ impl Space {
     pub fn unmap_areas(&mut self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
         let signals = self.unmap_areas_in(tid)?;
         self.areas.clear();
+        self.stub = None;
         self.buffers = None;
         self.shared = None;
         if let Some(jump) = self.jump.as_mut() {
@@ -691,30 +699,61 @@ impl Space {
     }
 
     /// Unmap the trampoline areas in the process of the stopped thread `tid`:
-    /// this one, or a forked copy of it, which has the same areas.
+    /// this one, or a forked copy of it, which has the same areas. The area
+    /// that holds the stub goes last, through the program's own `syscall`
+    /// instruction (see [`inject`]).
     pub fn unmap_areas_in(&self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
-        let insn = self
-            .syscall_insn()
+        let via = self
+            .via()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction to unmap with".into()))?;
         let mut signals = Vec::new();
         let control = self
             .control()
             .map(|c| c.remote..c.remote + layout::AREA_SIZE);
-        let ranges = self
+        let holds_stub = |r: &Range<u64>| via.stub.is_some_and(|(at, _)| r.contains(&at));
+        let mut ranges: Vec<Range<u64>> = self
             .areas
             .ranges()
             .chain(self.shared.clone())
-            .chain(control);
+            .chain(control)
+            .collect();
+        ranges.sort_by_key(|r| holds_stub(r));
         for range in ranges {
+            let via = if holds_stub(&range) { via.own() } else { via };
             let done = inject::syscall(
                 tid,
-                insn,
+                via,
                 libc::SYS_munmap as u64,
                 [range.start, range.end - range.start, 0, 0, 0, 0],
             )?;
             signals.extend(done.signals);
         }
         Ok(signals)
+    }
+
+    /// How an injected call enters the kernel in this space: through the
+    /// stub once there is one.
+    pub(super) fn via(&self) -> Option<inject::Via> {
+        Some(inject::Via {
+            insn: self.syscall_insn()?,
+            stub: self.stub,
+        })
+    }
+
+    /// Write the stub into the trampoline areas, once there are some.
+    fn place_stub(&mut self) -> Result<(), SpaceError> {
+        if self.stub.is_some() {
+            return Ok(());
+        }
+        let Some(stub) = inject::stub::code() else {
+            return Ok(());
+        };
+        let Some(at) = self.areas.take_anywhere(stub.len()) else {
+            return Ok(());
+        };
+        self.mem.write(at, &stub.code)?;
+        self.stub = Some((at, at + stub.save));
+        Ok(())
     }
 
     fn syscall_insn(&self) -> Option<u64> {

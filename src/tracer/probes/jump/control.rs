@@ -164,20 +164,20 @@ pub const DROP_AFTER: u32 = 8;
 
 impl Control {
     /// Make the control area in the process of the stopped thread `tid`,
-    /// with the `syscall` instruction at `insn` and a NUL-terminated name
+    /// entering the kernel as `via` says, with a NUL-terminated name
     /// at `name` in its memory. Signals that arrived meanwhile go to
     /// `signals`. `at`: map it there (a forked child's copy is replaced at
     /// its parent's address), or where the kernel likes.
     pub fn create(
         pid: Tid,
         tid: Tid,
-        insn: u64,
+        via: inject::Via,
         name: u64,
         at: Option<u64>,
         signals: &mut Vec<i32>,
     ) -> Result<Control, ControlError> {
         let (remote, mem) =
-            inject::shared_memory(pid, tid, insn, name, layout::AREA_SIZE, at, signals)?;
+            inject::shared_memory(pid, tid, via, name, layout::AREA_SIZE, at, signals)?;
         let mut control = Control {
             sentinel: None,
             remote,
