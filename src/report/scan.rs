@@ -206,6 +206,8 @@ struct Block {
     size: u64,
     stack: Option<i64>,
     thread: u32,
+    /// Live at attach (an `Op::Inventory` event), not allocated while traced.
+    inventory: bool,
 }
 
 /// Everything one pass finds.
@@ -220,8 +222,12 @@ pub struct Analysis {
     /// Calls that released a traced block.
     pub releases: u64,
     pub peak: Peak,
+    /// Blocks live at the end of the trace (the `leaks` view's), ...
     pub leaked_blocks: u64,
     pub leaked_bytes: u64,
+    /// ... of which live since the attach (the inventory).
+    pub inventory_live_blocks: u64,
+    pub inventory_live_bytes: u64,
     pub temporary: u64,
     pub stacks: IdMap<Option<i64>, StackStats>,
     pub threads: IdMap<u32, ThreadStats>,
@@ -260,6 +266,7 @@ impl Heap {
                     size,
                     stack: e.stack,
                     thread: e.thread,
+                    inventory: e.op == Op::Inventory,
                 },
             );
             self.bytes += size;
@@ -299,7 +306,8 @@ impl Analysis {
             let previous = last_of_thread.insert(e.thread, e.id);
             if let Some(block) = heap.apply(e) {
                 a.releases += 1;
-                if previous == e.released {
+                // A block live at attach was not allocated by a call.
+                if previous == e.released && !block.inventory {
                     a.temporary += 1;
                     a.stacks.entry(block.stack).or_default().temporary += 1;
                     a.threads.entry(block.thread).or_default().temporary += 1;
@@ -347,6 +355,10 @@ impl Analysis {
         for block in heap.live.values() {
             a.leaked_blocks += 1;
             a.leaked_bytes += block.size;
+            if block.inventory {
+                a.inventory_live_blocks += 1;
+                a.inventory_live_bytes += block.size;
+            }
             let stack = a.stacks.entry(block.stack).or_default();
             stack.leaked_blocks += 1;
             stack.leaked_bytes += block.size;
