@@ -228,6 +228,10 @@ pub struct Analysis {
     /// ... of which live since the attach (the inventory).
     pub inventory_live_blocks: u64,
     pub inventory_live_bytes: u64,
+    /// Blocks live when their process exec'd: released by the exec, not
+    /// counted above (`exec_releases`).
+    pub exec_released_blocks: u64,
+    pub exec_released_bytes: u64,
     pub temporary: u64,
     pub stacks: IdMap<Option<i64>, StackStats>,
     pub threads: IdMap<u32, ThreadStats>,
@@ -273,6 +277,20 @@ impl Heap {
         }
         released
     }
+}
+
+/// The allocations an exec released (their process's image replaced).
+fn exec_released(trace: &Trace) -> Result<std::collections::HashSet<i64>, ReportError> {
+    let mut stmt = trace
+        .conn
+        .prepare("SELECT alloc_id FROM exec_releases")
+        .map_err(|e| trace.err(e))?;
+    let ids = stmt
+        .query_map([], |r| r.get(0))
+        .map_err(|e| trace.err(e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| trace.err(e))?;
+    Ok(ids)
 }
 
 impl Analysis {
@@ -352,7 +370,13 @@ impl Analysis {
             slice.last_bytes = heap.bytes;
         })?;
         bar.finish_and_clear();
-        for block in heap.live.values() {
+        let exec_released = exec_released(trace)?;
+        for (id, block) in &heap.live {
+            if exec_released.contains(id) {
+                a.exec_released_blocks += 1;
+                a.exec_released_bytes += block.size;
+                continue;
+            }
             a.leaked_blocks += 1;
             a.leaked_bytes += block.size;
             if block.inventory {

@@ -119,6 +119,10 @@ pub struct HeapTotals {
     /// Of those, the blocks live since the attach (`Op::Inventory`).
     pub inventory_live_blocks: u64,
     pub inventory_live_bytes: u64,
+    /// Blocks live when their process exec'd: the exec released them (not
+    /// in the figures above).
+    pub exec_released_blocks: u64,
+    pub exec_released_bytes: u64,
     /// Blocks released by the next allocator call of their thread.
     pub temporary: u64,
 }
@@ -285,6 +289,8 @@ impl Summary {
             leaked_bytes: analysis.leaked_bytes,
             inventory_live_blocks: analysis.inventory_live_blocks,
             inventory_live_bytes: analysis.inventory_live_bytes,
+            exec_released_blocks: analysis.exec_released_blocks,
+            exec_released_bytes: analysis.exec_released_bytes,
             temporary: analysis.temporary,
         };
         let merged = table.merge(

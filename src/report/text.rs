@@ -385,6 +385,14 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         seconds(h.peak_ns),
     );
     live_at_end(summary, style, &mut out);
+    if h.exec_released_blocks > 0 {
+        let _ = writeln!(
+            out,
+            "  exec'd     {} in {}, released by an exec (their program image was replaced)",
+            bytes(h.exec_released_bytes),
+            counted(h.exec_released_blocks, "block")
+        );
+    }
     let _ = writeln!(
         out,
         "  temporary  {} ({} of blocks), freed by their thread's next allocator call",

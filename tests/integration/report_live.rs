@@ -83,3 +83,71 @@ fn report_of_a_detached_trace_says_live_at_detach() {
         assert_eq!(heap["leaked_blocks"], blocks);
     }
 }
+
+/// A program that execs itself with blocks live: the exec released them.
+/// They are `allocations` with `free_op` `exec`, not `leaks`, and the report
+/// counts them apart; the new image's leaks are leaks.
+#[test]
+fn blocks_live_at_an_exec_are_released_by_it() {
+    for variant in [Variant::Dynamic, Variant::Static, Variant::Musl] {
+        let t = crate::support::trace(variant, "execs", &[], &[]);
+        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
+        t.assert_truth();
+        let by_function = |what: &str, function: &str| -> (i64, i64) {
+            t.db.query_row(
+                &format!(
+                    "SELECT count(*), coalesce(sum(a.size), 0) FROM {what} a
+                     JOIN stacks s ON s.id = a.alloc_stack_id JOIN frames f ON f.id = s.frame_id
+                     WHERE f.function = ?1"
+                ),
+                [function],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+        };
+        let execd = "(SELECT * FROM allocations WHERE free_op = 'exec')";
+        assert_eq!(by_function(execd, "before_exec"), (5, 5000), "{variant:?}");
+        assert_eq!(by_function("leaks", "before_exec"), (0, 0), "{variant:?}");
+        assert_eq!(by_function(execd, "after_exec"), (0, 0), "{variant:?}");
+        assert_eq!(by_function("leaks", "after_exec"), (2, 400), "{variant:?}");
+        // Every block of the first image live at the exec, and only those.
+        let released = t.int("SELECT count(*) FROM exec_releases");
+        let pid = t.int("SELECT pid FROM exec_releases LIMIT 1");
+        assert_eq!(
+            t.int(&format!(
+                "SELECT count(*) FROM allocations WHERE free_op = 'exec' AND pid = {pid}"
+            )),
+            released
+        );
+        assert_eq!(
+            t.int("SELECT count(*) FROM leaks l JOIN exec_releases x ON x.alloc_id = l.alloc_id"),
+            0
+        );
+        let bytes = t.int("SELECT sum(size) FROM allocations WHERE free_op = 'exec'");
+        // Where the C library allocates nothing for itself at start-up, the
+        // tracee's blocks are all there is.
+        if matches!(variant, Variant::Dynamic | Variant::Musl) {
+            assert_eq!((released, bytes), (5, 5000), "{variant:?}");
+            assert_eq!(t.int("SELECT count(*) FROM leaks"), 2, "{variant:?}");
+        }
+        let report = run(memptrace().arg("report").arg(&t.path), b"");
+        assert_eq!(report.code(), 0, "{}", report.stderr);
+        let line = format!(
+            "  exec'd     {} in {released} blocks, released by an exec (their program image was replaced)",
+            memptrace::report::text::bytes(bytes as u64)
+        );
+        assert!(
+            report.stdout.lines().any(|l| l == line),
+            "{variant:?}: {line:?} not in\n{}",
+            report.stdout
+        );
+        let leaked = t.int("SELECT count(*) FROM leaks");
+        assert!(
+            report
+                .stdout
+                .contains(&format!(" in {leaked} blocks, never freed while traced")),
+            "{variant:?}: {}",
+            report.stdout
+        );
+    }
+}
