@@ -279,8 +279,20 @@ impl Heap {
     }
 }
 
-/// The allocations an exec released (their process's image replaced).
+/// The allocations an exec released (their process's image replaced);
+/// none in a trace written before memptrace recorded them.
 fn exec_released(trace: &Trace) -> Result<std::collections::HashSet<i64>, ReportError> {
+    let recorded: i64 = trace
+        .conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'exec_releases'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| trace.err(e))?;
+    if recorded == 0 {
+        return Ok(Default::default());
+    }
     let mut stmt = trace
         .conn
         .prepare("SELECT alloc_id FROM exec_releases")

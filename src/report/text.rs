@@ -288,6 +288,10 @@ fn live_at_end(summary: &Summary, style: Style, out: &mut String) {
         let _ = writeln!(out, "  {label:<10} {}, {note}", amount(bytes_, blocks));
         return;
     }
+    let note = match h.live_at_end {
+        LiveAtEnd::Leaked => "never freed",
+        _ => note,
+    };
     let _ = writeln!(
         out,
         "  {label:<10} {} allocated while traced, {note}",

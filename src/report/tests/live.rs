@@ -100,7 +100,7 @@ fn blocks_of_a_program_that_ended_are_leaked() {
         let out = lines(&s);
         has(
             &out,
-            "  leaked     6.1 KiB in 3 blocks allocated while traced, never freed while traced",
+            "  leaked     6.1 KiB in 3 blocks allocated while traced, never freed",
         );
         has(
             &out,
