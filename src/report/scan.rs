@@ -206,6 +206,8 @@ struct Block {
     size: u64,
     stack: Option<i64>,
     thread: u32,
+    /// Live at attach (an `Op::Inventory` event), not allocated while traced.
+    inventory: bool,
 }
 
 /// Everything one pass finds.
@@ -220,8 +222,16 @@ pub struct Analysis {
     /// Calls that released a traced block.
     pub releases: u64,
     pub peak: Peak,
+    /// Blocks live at the end of the trace (the `leaks` view's), ...
     pub leaked_blocks: u64,
     pub leaked_bytes: u64,
+    /// ... of which live since the attach (the inventory).
+    pub inventory_live_blocks: u64,
+    pub inventory_live_bytes: u64,
+    /// Blocks live when their process exec'd: released by the exec, not
+    /// counted above (`exec_releases`).
+    pub exec_released_blocks: u64,
+    pub exec_released_bytes: u64,
     pub temporary: u64,
     pub stacks: IdMap<Option<i64>, StackStats>,
     pub threads: IdMap<u32, ThreadStats>,
@@ -260,12 +270,39 @@ impl Heap {
                     size,
                     stack: e.stack,
                     thread: e.thread,
+                    inventory: e.op == Op::Inventory,
                 },
             );
             self.bytes += size;
         }
         released
     }
+}
+
+/// The allocations an exec released (their process's image replaced);
+/// none in a trace written before memptrace recorded them.
+fn exec_released(trace: &Trace) -> Result<std::collections::HashSet<i64>, ReportError> {
+    let recorded: i64 = trace
+        .conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'exec_releases'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| trace.err(e))?;
+    if recorded == 0 {
+        return Ok(Default::default());
+    }
+    let mut stmt = trace
+        .conn
+        .prepare("SELECT alloc_id FROM exec_releases")
+        .map_err(|e| trace.err(e))?;
+    let ids = stmt
+        .query_map([], |r| r.get(0))
+        .map_err(|e| trace.err(e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| trace.err(e))?;
+    Ok(ids)
 }
 
 impl Analysis {
@@ -299,7 +336,8 @@ impl Analysis {
             let previous = last_of_thread.insert(e.thread, e.id);
             if let Some(block) = heap.apply(e) {
                 a.releases += 1;
-                if previous == e.released {
+                // A block live at attach was not allocated by a call.
+                if previous == e.released && !block.inventory {
                     a.temporary += 1;
                     a.stacks.entry(block.stack).or_default().temporary += 1;
                     a.threads.entry(block.thread).or_default().temporary += 1;
@@ -344,9 +382,19 @@ impl Analysis {
             slice.last_bytes = heap.bytes;
         })?;
         bar.finish_and_clear();
-        for block in heap.live.values() {
+        let exec_released = exec_released(trace)?;
+        for (id, block) in &heap.live {
+            if exec_released.contains(id) {
+                a.exec_released_blocks += 1;
+                a.exec_released_bytes += block.size;
+                continue;
+            }
             a.leaked_blocks += 1;
             a.leaked_bytes += block.size;
+            if block.inventory {
+                a.inventory_live_blocks += 1;
+                a.inventory_live_bytes += block.size;
+            }
             let stack = a.stacks.entry(block.stack).or_default();
             stack.leaked_blocks += 1;
             stack.leaked_bytes += block.size;

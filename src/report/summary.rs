@@ -111,10 +111,57 @@ pub struct HeapTotals {
     /// started, and the event.
     pub peak_ns: i64,
     pub peak_event: i64,
+    /// The blocks live at the end of the trace (the `leaks` view's), and
+    /// what they are.
+    pub live_at_end: LiveAtEnd,
     pub leaked_blocks: u64,
     pub leaked_bytes: u64,
+    /// Of those, the blocks live since the attach (`Op::Inventory`).
+    pub inventory_live_blocks: u64,
+    pub inventory_live_bytes: u64,
+    /// Blocks live when their process exec'd: the exec released them (not
+    /// in the figures above).
+    pub exec_released_blocks: u64,
+    pub exec_released_bytes: u64,
     /// Blocks released by the next allocator call of their thread.
     pub temporary: u64,
+}
+
+/// What the blocks no release named are, by how the trace ended: leaked
+/// only when the program ended; when memptrace let it go (a detach, or its
+/// own failure) it may free them yet, and a trace still recording has not
+/// ended at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LiveAtEnd {
+    /// The program exited or was killed: never freed while traced.
+    Leaked,
+    /// memptrace detached; the program runs on.
+    AtDetach,
+    /// Still recording (or memptrace was killed).
+    Now,
+}
+
+impl LiveAtEnd {
+    pub fn of(info: &TraceInfo) -> LiveAtEnd {
+        let ended = |r: &String| r.starts_with("exited") || r.starts_with("killed by");
+        if !info.finished {
+            LiveAtEnd::Now
+        } else if info.end_reason.as_ref().is_none_or(ended) {
+            LiveAtEnd::Leaked
+        } else {
+            LiveAtEnd::AtDetach
+        }
+    }
+
+    /// What the report calls them: `leaked`, `live at detach`, `live now`.
+    pub fn label(self) -> &'static str {
+        match self {
+            LiveAtEnd::Leaked => "leaked",
+            LiveAtEnd::AtDetach => "live at detach",
+            LiveAtEnd::Now => "live now",
+        }
+    }
 }
 
 /// One stack and what was allocated from it.
@@ -237,8 +284,13 @@ impl Summary {
             peak_blocks: analysis.peak.blocks,
             peak_ns: analysis.peak.ts_ns,
             peak_event: analysis.peak.event,
+            live_at_end: LiveAtEnd::of(&info),
             leaked_blocks: analysis.leaked_blocks,
             leaked_bytes: analysis.leaked_bytes,
+            inventory_live_blocks: analysis.inventory_live_blocks,
+            inventory_live_bytes: analysis.inventory_live_bytes,
+            exec_released_blocks: analysis.exec_released_blocks,
+            exec_released_bytes: analysis.exec_released_bytes,
             temporary: analysis.temporary,
         };
         let merged = table.merge(

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::scan::Analysis;
 use super::stacks::{Owner, StackTable};
-use super::summary::Summary;
+use super::summary::{LiveAtEnd, Summary};
 use super::window::{self, Class};
 use super::*;
 use crate::event::{Event, Op};
@@ -15,6 +15,8 @@ use crate::sink::{
     EventSink, FrameRecord, FrameSymbols, ModuleRecord, Record, SourceLine, SqliteSink, StackNode,
     ThreadRecord,
 };
+
+mod live;
 
 /// A directory removed on drop.
 struct TempDir(PathBuf);
@@ -412,7 +414,7 @@ fn summary_text_and_json() {
     let out = text::render(&s, text::Style { color: false }, 3, 2);
     for line in [
         "  program    ./app --test",
-        "  peak       6.2 KiB in 5 blocks, at 0.000 s (event 10)",
+        "  peak       6.2 KiB in 5 blocks, at 0.000 s",
         "  leaked     6.1 KiB in 3 blocks, never freed while traced",
         "  temporary  4 blocks (50.0 % of blocks), freed by their thread's next allocator call",
         "  malloc        8       1          7.1 KiB",

@@ -7,7 +7,7 @@ use std::io::IsTerminal;
 use super::Color;
 use super::listing::stack_lines;
 use super::scan::StackStats;
-use super::summary::{StackRow, Summary};
+use super::summary::{LiveAtEnd, StackRow, Summary};
 use crate::event::Op;
 
 /// ANSI styles, or none.
@@ -207,12 +207,12 @@ fn ranking(
 }
 
 /// A table of totals under a heading, one row per name: calls, bytes
-/// allocated, at the peak and leaked, temporary blocks; the first `top`
-/// rows, and how many more there are. `names` is the first column's title
-/// and the rows' plural.
+/// allocated, at the peak and live at the end (`live`: leaked, at detach,
+/// now), temporary blocks; the first `top` rows, and how many more there
+/// are. `names` is the first column's title and the rows' plural.
 fn totals_table(
     style: Style,
-    heading: &str,
+    (heading, live): (&str, LiveAtEnd),
     names: (&str, &str),
     rows: impl ExactSizeIterator<Item = (String, [u64; 5])>,
     top: usize,
@@ -225,7 +225,11 @@ fn totals_table(
         "calls",
         "allocated",
         "at peak",
-        "leaked",
+        match live {
+            LiveAtEnd::Leaked => "leaked",
+            LiveAtEnd::AtDetach => "at detach",
+            LiveAtEnd::Now => "live now",
+        },
         "temporary",
     ]);
     for (name, [calls, allocated, peak, leaked, temporary]) in rows.take(top) {
@@ -265,6 +269,43 @@ fn more(style: Style, total: usize, shown: usize, what: &str, out: &mut String) 
             style.dim(&format!("... and {} more {what}", total - shown))
         );
     }
+}
+
+/// The blocks no release named: leaked only when the program ended (see
+/// [`LiveAtEnd`]); those live since the attach (the inventory) apart.
+fn live_at_end(summary: &Summary, style: Style, out: &mut String) {
+    let h = &summary.heap;
+    let note = match h.live_at_end {
+        LiveAtEnd::Leaked => "never freed while traced",
+        LiveAtEnd::AtDetach => "the program runs on: not leaks",
+        LiveAtEnd::Now => "the trace has not ended: not leaks",
+    };
+    let label = h.live_at_end.label();
+    let (blocks, bytes_) = (h.leaked_blocks, h.leaked_bytes);
+    let (inventory, inventory_bytes) = (h.inventory_live_blocks, h.inventory_live_bytes);
+    let amount = |b: u64, n: u64| format!("{} in {}", style.value(&bytes(b)), counted(n, "block"));
+    if inventory == 0 {
+        let _ = writeln!(out, "  {label:<10} {}, {note}", amount(bytes_, blocks));
+        return;
+    }
+    let note = match h.live_at_end {
+        LiveAtEnd::Leaked => "never freed",
+        _ => note,
+    };
+    let _ = writeln!(
+        out,
+        "  {label:<10} {} allocated while traced, {note}",
+        amount(
+            bytes_.saturating_sub(inventory_bytes),
+            blocks.saturating_sub(inventory)
+        )
+    );
+    let _ = writeln!(
+        out,
+        "  {:<10} {} live since the attach (the inventory)",
+        "",
+        amount(inventory_bytes, inventory)
+    );
 }
 
 /// The whole report.
@@ -339,20 +380,23 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
         bytes(h.bytes),
         counted(h.blocks, "block")
     );
+    // The time, not the event's id: ids have gaps.
     let _ = writeln!(
         out,
-        "  peak       {} in {}, at {} (event {})",
+        "  peak       {} in {}, at {}",
         style.value(&bytes(h.peak_bytes)),
         counted(h.peak_blocks, "block"),
         seconds(h.peak_ns),
-        count(h.peak_event.max(0) as u64)
     );
-    let _ = writeln!(
-        out,
-        "  leaked     {} in {}, never freed while traced",
-        style.value(&bytes(h.leaked_bytes)),
-        counted(h.leaked_blocks, "block")
-    );
+    live_at_end(summary, style, &mut out);
+    if h.exec_released_blocks > 0 {
+        let _ = writeln!(
+            out,
+            "  exec'd     {} in {}, released by an exec (their program image was replaced)",
+            bytes(h.exec_released_bytes),
+            counted(h.exec_released_blocks, "block")
+        );
+    }
     let _ = writeln!(
         out,
         "  temporary  {} ({} of blocks), freed by their thread's next allocator call",
@@ -389,7 +433,10 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
 
     totals_table(
         style,
-        "Callers (the first frame outside the allocator and its wrappers)",
+        (
+            "Callers (the first frame outside the allocator and its wrappers)",
+            h.live_at_end,
+        ),
         ("function", "callers"),
         summary
             .callers
@@ -402,7 +449,10 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     let r = &summary.top;
     ranking(
         style,
-        &format!("{} by leaked bytes", top_stacks(top)),
+        &match h.live_at_end {
+            LiveAtEnd::Leaked => format!("{} by leaked bytes", top_stacks(top)),
+            live => format!("{} by bytes {}", top_stacks(top), live.label()),
+        },
         &r.leaked,
         frames,
         |s| {
@@ -459,7 +509,7 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
 
     totals_table(
         style,
-        "Threads",
+        ("Threads", h.live_at_end),
         ("thread", "threads"),
         summary.threads.iter().map(|th| {
             let t = &th.totals;
@@ -472,7 +522,10 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     );
     totals_table(
         style,
-        "Modules (each allocation charged to its first frame outside the allocator)",
+        (
+            "Modules (each allocation charged to its first frame outside the allocator)",
+            h.live_at_end,
+        ),
         ("module", "modules"),
         summary
             .modules

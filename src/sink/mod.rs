@@ -140,6 +140,13 @@ pub enum Record {
     Symbols(FrameSymbols),
     /// A process's resident and mapped memory at one moment.
     Rss(RssSample),
+    /// Process `pid` exec'd at `ts_ns`: the blocks allocated by these
+    /// events, live then, went with its old image (`exec_releases`).
+    ExecReleased {
+        pid: u32,
+        ts_ns: u64,
+        alloc_ids: Vec<u64>,
+    },
 }
 
 /// A process's memory at one moment, in bytes (the `rss` table). Samples

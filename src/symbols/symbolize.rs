@@ -234,7 +234,15 @@ fn load_dwarf(file: &Path, alt: Option<&AltLink>, roots: &[PathBuf]) -> Option<L
 /// unit's, when DWARF says; a name it cannot demangle is tried by its prefix.
 /// A C++ name the demangler cannot read whole is named without its return
 /// type and parameters (`cpp_name_only`) rather than left mangled.
+///
+/// Only a mangled name (`_Z...`, `_R...`) is demangled: the demanglers also
+/// read a bare type code, so a C function named `h`, `Pc` or `St` (even in
+/// a C++ unit, `extern "C"`) would otherwise become `unsigned char`,
+/// `char*` or `std`.
 pub fn demangle(name: &str, language: Option<DwLang>) -> String {
+    if !(name.starts_with("_Z") || name.starts_with("_R")) {
+        return name.to_string();
+    }
     let text = language
         .and_then(|language| addr2line::demangle(name, language))
         .unwrap_or_else(|| addr2line::demangle_auto(Cow::Borrowed(name), None).into_owned());

@@ -7,6 +7,7 @@ use super::space::images::LoadedModule;
 use super::space::{Changes, Planted, Space};
 use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
+use crate::sink::Record;
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::pipeline::TraceMsg;
 use crate::unwind::{Unwinder, UnwinderKind};
@@ -40,7 +41,16 @@ impl Tracer {
                 self.drain_process(pid, true);
                 self.count_probes(pid);
                 self.forget_images(pid);
-                self.ledger.forget_process(pid as u32);
+                // The exec released the old image's blocks: not leaks.
+                let alloc_ids = self.ledger.forget_process(pid as u32);
+                if !alloc_ids.is_empty() {
+                    let ts_ns = self.now_ns();
+                    self.out.push(TraceMsg::Record(Record::ExecReleased {
+                        pid: pid as u32,
+                        ts_ns,
+                        alloc_ids,
+                    }));
+                }
             }
             Some(Role::Shares { .. }) => self.end_sharing(pid),
             _ => {}

@@ -158,16 +158,21 @@ impl Ledger {
             .collect()
     }
 
-    /// A process is gone (or exec'd): its blocks go with it.
-    pub fn forget_process(&mut self, pid: u32) {
+    /// A process is gone (or exec'd): its blocks go with it. Returns the
+    /// event ids of their allocations, in id order.
+    pub fn forget_process(&mut self, pid: u32) -> Vec<u64> {
         let mut freed = 0;
-        self.live.retain(|&(p, _), &mut (_, size)| {
+        let mut ids = Vec::new();
+        self.live.retain(|&(p, _), &mut (id, size)| {
             if p == pid {
                 freed = u64::wrapping_add(freed, size);
+                ids.push(id);
             }
             p != pid
         });
         self.live_bytes = self.live_bytes.wrapping_sub(freed);
+        ids.sort_unstable();
+        ids
     }
 }
 
@@ -248,7 +253,7 @@ mod tests {
         assert_eq!(ra.size, Some(32));
         assert_eq!(ra.alloc_id, Some(a.id));
         assert_eq!(l.live_bytes(), 240 + 1000 + 32);
-        l.forget_process(1);
+        assert_eq!(l.forget_process(1), [c.id, p.id, ra.id]);
         assert_eq!(l.live_bytes(), 0);
     }
 

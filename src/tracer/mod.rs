@@ -592,7 +592,7 @@ impl Tracer {
         if let Some(process) = self.family.processes.remove(&tid) {
             if process.recorded() {
                 self.send(TraceMsg::ProcessGone { pid: tid as u32 });
-                self.ledger.forget_process(tid as u32);
+                let _ = self.ledger.forget_process(tid as u32);
             }
             if let Some(space) = process.space {
                 self.release_sharers(tid, space)?;

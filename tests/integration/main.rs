@@ -24,6 +24,7 @@ mod pauses;
 mod probes;
 mod processes;
 mod report;
+mod report_live;
 mod returns;
 mod rss;
 mod sampling;

@@ -220,3 +220,46 @@ fn cxx_names_are_demangled() {
         "{text}"
     );
 }
+
+/// C functions named like C++ type codes (`h`, `i`, `Pc`, `f`, `x`, `St`,
+/// `Dn`) keep their names in `frames.function` and in the report: only
+/// mangled names are demangled.
+#[test]
+fn c_names_are_not_demangled() {
+    const NAMES: [&str; 7] = ["h", "i", "Pc", "f", "x", "St", "Dn"];
+    for variant in VARIANTS {
+        let t = trace(variant, "cnames", &[], &[]);
+        assert_eq!(t.run.code(), 0);
+        t.assert_truth();
+        let mut stmt =
+            t.db.prepare(
+                "SELECT f.function FROM events e JOIN stacks s ON s.id = e.stack_id
+                 JOIN frames f ON f.id = s.frame_id
+                 WHERE e.op = 'malloc' AND e.size BETWEEN 11 AND 17 ORDER BY e.size",
+            )
+            .unwrap();
+        let found: Vec<String> = stmt
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(found, NAMES, "{variant:?}");
+        let report = crate::support::run(
+            crate::support::memptrace().args(["report", t.path.to_str().unwrap(), "--top", "100"]),
+            b"",
+        );
+        assert_eq!(report.code(), 0, "{}", report.stderr);
+        // Each function's row in the callers table: 1 call, its bytes.
+        for (n, name) in NAMES.iter().enumerate() {
+            let row = regex::Regex::new(&format!(r"(?m)^  {name} +1 +{} B ", 11 + n)).unwrap();
+            assert!(
+                row.is_match(&report.stdout),
+                "{variant:?}: no caller row {name:?} in\n{}",
+                report.stdout
+            );
+        }
+        for cxx in ["unsigned char", "long long", "std::nullptr_t", "char*"] {
+            assert!(!report.stdout.contains(cxx), "{variant:?}: {cxx}");
+        }
+    }
+}

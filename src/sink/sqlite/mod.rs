@@ -324,6 +324,18 @@ impl SqliteSink {
                     int(r.mapped)
                 ])?;
             }
+            Record::ExecReleased {
+                pid,
+                ts_ns,
+                alloc_ids,
+            } => {
+                let mut insert = conn.prepare_cached(
+                    "INSERT OR REPLACE INTO exec_releases(alloc_id, ts_ns, pid) VALUES (?, ?, ?)",
+                )?;
+                for id in alloc_ids {
+                    insert.execute(params![int(*id), int(*ts_ns), pid])?;
+                }
+            }
             Record::Event(_) | Record::Symbols(_) => {}
         }
         Ok(())
@@ -379,8 +391,11 @@ impl EventSink for SqliteSink {
                 ))?;
             }
         }
+        // Blocks an exec released are not open, whichever order their
+        // allocation and the exec reached the sink in.
         conn.execute_batch(
-            "INSERT INTO trace_finished(open_blocks) SELECT count(*) FROM open_blocks;
+            "DELETE FROM open_blocks WHERE alloc_id IN (SELECT alloc_id FROM exec_releases);
+             INSERT INTO trace_finished(open_blocks) SELECT count(*) FROM open_blocks;
              COMMIT;",
         )?;
         // Leave a plain rollback-journal database: no -wal/-shm beside it, and

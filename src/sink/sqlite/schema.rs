@@ -98,6 +98,13 @@ CREATE TABLE open_blocks(
 CREATE TABLE trace_finished(
     open_blocks INTEGER NOT NULL
 );
+-- The blocks live in a process when it exec'd: the exec released them with
+-- its old image (docs/schema.md, exec_releases). Not leaks.
+CREATE TABLE exec_releases(
+    alloc_id INTEGER PRIMARY KEY,
+    ts_ns INTEGER NOT NULL,
+    pid INTEGER NOT NULL
+);
 -- One row per allocator call, in as few bytes as SQLite can store it: see
 -- docs/schema.md, \"How events are stored\". The columns most often NULL come
 -- last (an SQLite built with SQLITE_ENABLE_NULL_TRIM leaves them out).
@@ -207,13 +214,15 @@ fn released_ptr(x: &str) -> String {
 }
 
 /// True for an allocation `a` (an event that returned a block) that no
-/// release names. The one definition of a leak: the `leaks` view uses it
-/// until `finish` has stored its result in `open_blocks`.
+/// release names and no exec released. The one definition of a leak: the
+/// `leaks` view uses it until `finish` has stored its result in
+/// `open_blocks`.
 pub fn unreleased(a: &str) -> String {
     format!(
         "{a}.kind & 15 <> {free} AND {a}.ptr <> 0 \
          AND {a}.id NOT IN (SELECT r.id - r.alloc_dist FROM event_log r \
-                            WHERE r.alloc_dist IS NOT NULL)",
+                            WHERE r.alloc_dist IS NOT NULL) \
+         AND {a}.id NOT IN (SELECT alloc_id FROM exec_releases)",
         free = Op::Free as u8
     )
 }
@@ -259,6 +268,14 @@ fn views() -> String {
         pid = thread("a", "pid"),
         op = op_name("a"),
     );
+    let exec_columns = format!(
+        "a.ptr AS ptr, a.size AS size, {tid} AS tid, x.pid AS pid, {op} AS op,
+         a.id AS alloc_id, a.ts_ns AS alloc_ns, x.ts_ns AS free_ns, 'exec' AS free_op,
+         NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
+         NULL AS free_tid",
+        tid = thread("a", "tid"),
+        op = op_name("a"),
+    );
     let unreleased = unreleased("a");
     // 1 when event `e` returned a block, else 0 (heap_over_time).
     let allocated = format!("(e.kind & 15 <> {free} AND coalesce(e.ptr, 0) <> 0)");
@@ -296,6 +313,9 @@ LEFT JOIN event_log a ON a.id = r.id - r.alloc_dist
 WHERE r.alloc_dist IS NOT NULL
    OR (r.kind & 15 = {free} AND r.ptr <> 0)
    OR (r.kind & 15 {realloc} AND r.arg <> 0 AND (r.ptr <> 0 OR r.size = 0))
+UNION ALL
+SELECT {exec_columns}
+FROM exec_releases x JOIN event_log a ON a.id = x.alloc_id
 UNION ALL
 SELECT * FROM leaks;
 

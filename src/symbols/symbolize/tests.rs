@@ -538,6 +538,18 @@ fn demangles_every_kind_of_name() {
         "main"
     );
     assert_eq!(demangle("_Znot a name", None), "_Znot a name");
+    // C functions named like type codes keep their names, whatever the
+    // unit's language says.
+    for name in ["h", "i", "Pc", "f", "x", "St", "Dn", "Sa", "v"] {
+        assert_eq!(demangle(name, None), name);
+        for language in [
+            addr2line::gimli::DW_LANG_C11,
+            addr2line::gimli::DW_LANG_C_plus_plus_14,
+            addr2line::gimli::DW_LANG_Rust,
+        ] {
+            assert_eq!(demangle(name, Some(language)), name);
+        }
+    }
 }
 
 /// Names cpp_demangle cannot parse whole (GCC's `sr` with template

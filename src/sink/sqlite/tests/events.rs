@@ -431,3 +431,74 @@ fn check_against_model(name: &str, first: u64) {
     assert!(!temporary.is_empty(), "the model has temporary blocks");
     assert_eq!(found, temporary);
 }
+
+/// Blocks live at an exec are released by it (`exec_releases`): `free_op`
+/// `exec` in `allocations`, not in `leaks`, before and after finish,
+/// whichever came first to the sink, the exec or the allocation.
+#[test]
+fn an_exec_releases_the_blocks_live_at_it() {
+    let dir = TempDir::new("exec");
+    let mut sink = SqliteSink::create(&dir.db()).unwrap();
+    let exec = Record::ExecReleased {
+        pid: 100,
+        ts_ns: 3500,
+        alloc_ids: vec![1, 4],
+    };
+    write_all(
+        &mut sink,
+        &[
+            malloc(1, 0x1000, 10),
+            malloc(2, 0x2000, 20),
+            free(3, 0x2000, Some(2)),
+            exec,
+            // Its allocation reaches the sink after the exec's record.
+            malloc(4, 0x4000, 40),
+            malloc(5, 0x1000, 50),
+        ],
+    );
+    sink.commit().unwrap();
+    let before = read(&dir.db());
+    let unfinished = (lives(&before, "allocations"), lives(&before, "leaks"));
+    drop(before);
+    sink.finish().unwrap();
+    let conn = read(&dir.db());
+    assert_eq!(
+        query_i64(&conn, "SELECT open_blocks FROM trace_finished"),
+        1
+    );
+    let leaks = lives(&conn, "leaks");
+    assert_eq!(leaks, [life(0x1000, 50, "malloc", 5, None)]);
+    let by_exec = |ptr: i64, size: i64, alloc_id: i64| -> Life {
+        (
+            ptr,
+            Some(size),
+            Some("malloc".into()),
+            Some(alloc_id),
+            Some(alloc_id * 1000),
+            Some(3500),
+            Some("exec".into()),
+            None,
+        )
+    };
+    let mut allocations = lives(&conn, "allocations");
+    allocations.sort_by_key(|l| l.3);
+    assert_eq!(
+        allocations,
+        [
+            by_exec(0x1000, 10, 1),
+            life(0x2000, 20, "malloc", 2, Some(("free", 3))),
+            by_exec(0x4000, 40, 4),
+            life(0x1000, 50, "malloc", 5, None),
+        ]
+    );
+    let mut before = unfinished.0;
+    before.sort_by_key(|l| l.3);
+    assert_eq!((before, unfinished.1), (allocations, leaks));
+    assert_eq!(
+        query_i64(
+            &conn,
+            "SELECT count(*) FROM allocations WHERE free_op = 'exec' AND pid = 100"
+        ),
+        2
+    );
+}
