@@ -214,6 +214,28 @@ fn walks_an_arena_and_adds_up_as_mallinfo2() {
     );
 }
 
+/// At attach the heap is copied while the program is stopped and walked
+/// once it runs: the map is the one read at once, and what the program
+/// writes after the copy is in none of it.
+#[test]
+fn a_heap_copied_then_walked_is_the_heap_read_at_once() {
+    let mut b = sample();
+    let expected = b.read();
+    let frozen = frozen::freeze(&b.memory(), &glibc(), &maps(""));
+    b.heap.fill(0xff);
+    b.arena.fill(0xff);
+    assert_eq!(frozen::thaw(frozen, &NoResidency), expected);
+    assert_eq!(expected.live_blocks().len(), 3);
+
+    // An arena whose copy does not walk: the same error, no chunks.
+    let mut broken = sample();
+    put(&mut broken.heap, 0x290 + 8, 0x9990 | 1);
+    let frozen = frozen::freeze(&broken.memory(), &glibc(), &maps(""));
+    let map = frozen::thaw(frozen, &NoResidency);
+    assert_eq!(map, broken.read());
+    assert!(map.arenas[0].error.as_deref().unwrap().contains("bad size"));
+}
+
 #[test]
 fn a_broken_arena_is_reported_not_drawn() {
     // A chunk size running past the heap.

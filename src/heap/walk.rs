@@ -33,7 +33,7 @@ const MAX_ARENAS: usize = 4096;
 /// from the target is allocated only as far as it can be read.
 const PIECE: u64 = 16 << 20;
 
-type Walked<T> = Result<T, String>;
+pub(super) type Walked<T> = Result<T, String>;
 
 /// Chunks by address: sorted pairs looked up by binary search, cheaper to
 /// build than a hash map for the 200 k chunks of a large heap, which is
@@ -102,11 +102,11 @@ fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
 
 /// An arena copied: its `malloc_state` and its heaps, and whether its mutex
 /// was held.
-struct Copy {
-    mem: Snapshot,
-    heaps: Vec<HeapRange>,
-    locked: bool,
-    next: u64,
+pub(super) struct Copy {
+    pub(super) mem: Snapshot,
+    pub(super) heaps: Vec<HeapRange>,
+    pub(super) locked: bool,
+    pub(super) next: u64,
 }
 
 /// The bytes from `start` to `end`, read [`PIECE`] at a time: a length
@@ -152,7 +152,7 @@ fn covered(maps: &[Mapping], start: u64, end: u64) -> bool {
 /// `maps`: the process's mappings, which the main arena's heap must lie in
 /// (its `system_mem` is a length the target states, and what the walk
 /// allocates for its pages follows it).
-fn copy(
+pub(super) fn copy(
     mem: &dyn Memory,
     g: &Glibc,
     maps: &[Mapping],
@@ -226,7 +226,7 @@ fn copy(
 }
 
 /// Walk one arena on its copy.
-fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
+pub(super) fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
     let mem: &dyn Memory = &c.mem;
     let l = &g.layout;
     let st = state(mem, g, arena)?;
@@ -440,7 +440,8 @@ fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -
     Ok(())
 }
 
-/// Read the whole heap.
+/// Read the whole heap of a running process: each arena copied and walked
+/// until it reads right (up to `attempts` times).
 pub(super) fn read_heap(
     mem: &dyn Memory,
     g: &Glibc,
@@ -448,6 +449,34 @@ pub(super) fn read_heap(
     residency: &dyn Residency,
     attempts: u32,
 ) -> HeapMap {
+    let (mut map, sbrk_base) = begin(mem, g);
+    let Some(sbrk_base) = sbrk_base else {
+        return map;
+    };
+    let (read, bad_list) = each_arena(g, |arena, main| {
+        read_arena(mem, g, maps, arena, main, sbrk_base, attempts)
+    });
+    let mut all = Snapshot::new();
+    for read in read {
+        match read {
+            Ok((a, copy)) => {
+                all.merge(copy.mem);
+                map.arenas.push(a);
+            }
+            Err(a) => map.arenas.push(a),
+        }
+    }
+    map.arenas.extend(bad_list);
+    tcaches(&all, g, &mut map.arenas);
+    mmapped(mem, g, maps, &mut map);
+    pages(&mut map, residency);
+    map
+}
+
+/// A map begun from glibc's `mp_` (the mmapped blocks' count and bytes)
+/// and `narenas`; and where the brk heap starts (`sbrk_base`). When `mp_`
+/// cannot be read: the map, its main arena failed, and no `sbrk_base`.
+pub(super) fn begin(mem: &dyn Memory, g: &Glibc) -> (HeapMap, Option<u64>) {
     let l = &g.layout;
     let mut map = HeapMap::default();
     let mp = |off: u64| word(mem, g.mp + off);
@@ -461,46 +490,46 @@ pub(super) fn read_heap(
                     error: Some(e),
                     ..Arena::default()
                 });
-                return map;
+                return (map, None);
             }
         };
     map.n_mmaps = n_mmaps;
     map.mmapped_mem = mmapped_mem;
     map.narenas = g.narenas.and_then(|at| word(mem, at).ok());
-    let mut all = Snapshot::new();
+    (map, Some(sbrk_base))
+}
+
+/// Follow the arenas' `next` list from `main_arena`: `step` reads each
+/// (its main flag given) and says which arena comes next, if it read that
+/// far. Each arena is taken once and at most [`MAX_ARENAS`]: a list that
+/// does not come back to `main_arena` ends in an arena with that error.
+pub(super) fn each_arena<T>(
+    g: &Glibc,
+    mut step: impl FnMut(u64, bool) -> (T, Option<u64>),
+) -> (Vec<T>, Option<Arena>) {
+    let mut read = Vec::new();
     let mut arena = g.main_arena;
     let mut seen = HashSet::new();
     loop {
         seen.insert(arena);
-        let main = arena == g.main_arena;
-        let (read, next) = read_arena(mem, g, maps, arena, main, sbrk_base, attempts);
-        match read {
-            Ok((a, copy)) => {
-                all.merge(copy.mem);
-                map.arenas.push(a);
-            }
-            Err(a) => map.arenas.push(a),
-        }
+        let (one, next) = step(arena, arena == g.main_arena);
+        read.push(one);
         match next {
-            Some(next) if next == g.main_arena || next == 0 => break,
-            Some(next) if seen.contains(&next) || map.arenas.len() >= MAX_ARENAS => {
-                map.arenas.push(Arena {
+            Some(next) if next == g.main_arena || next == 0 => return (read, None),
+            Some(next) if seen.contains(&next) || read.len() >= MAX_ARENAS => {
+                let bad = Arena {
                     addr: next,
                     error: Some(format!(
                         "the list of arenas does not return to main_arena (at {next:#x})"
                     )),
                     ..Arena::default()
-                });
-                break;
+                };
+                return (read, Some(bad));
             }
             Some(next) => arena = next,
-            None => break,
+            None => return (read, None),
         }
     }
-    tcaches(&all, g, &mut map.arenas);
-    mmapped(mem, g, maps, &mut map);
-    pages(&mut map, residency);
-    map
 }
 
 /// One arena, copied and walked until it reads right; and the next arena.

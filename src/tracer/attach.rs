@@ -136,8 +136,10 @@ impl Tracer {
             });
         }
         pause.lap("hook");
-        let inventory = self.take_inventory(pid);
-        pause.lap("inventory");
+        // Only the copy of the heap needs the program stopped: the walk of
+        // the copy and the inventory come once it runs again.
+        let heap = self.copy_heap(pid);
+        pause.lap("heap_copy");
         // Slots now: an int3 stop for one is fatal if memptrace dies in it.
         for &tid in resume.keys() {
             self.register_early(tid);
@@ -169,8 +171,11 @@ impl Tracer {
             }
         }
         pause.lap("resume");
-        self.stats.pauses.push(pause.finish());
-        self.send_inventory(inventory);
+        let mut pause = pause.finish();
+        let walking = std::time::Instant::now();
+        self.take_inventory(heap);
+        pause.after = Some(("inventory", walking.elapsed()));
+        self.stats.pauses.push(pause);
         Ok(())
     }
 
