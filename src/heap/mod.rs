@@ -30,6 +30,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+pub use frozen::Buffers;
 pub use glibc::{Glibc, Layout, TCACHE_BINS, is_c_library, prepare};
 
 use crate::memory::Memory;
@@ -361,7 +362,7 @@ pub const LIVE_ATTEMPTS: u32 = 100;
 /// read again while they change.
 pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
     if stopped {
-        return copy_process(pid).map(HeapCopy::walk);
+        return copy_process(pid, Buffers::default()).map(HeapCopy::walk);
     }
     let (mem, glibc, maps) = open_process(pid)?;
     Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), LIVE_ATTEMPTS))
@@ -383,13 +384,22 @@ impl HeapCopy {
 
 /// Copy the heap of process `pid`, every thread of which is stopped (by
 /// ptrace): each arena read once, in as few `process_vm_readv` calls as
-/// its heaps make.
-pub fn copy_process(pid: i32) -> Result<HeapCopy, HeapError> {
+/// its heaps make, into `buffers` where they hold it.
+pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
     let (mem, glibc, maps) = open_process(pid)?;
     Ok(HeapCopy {
         pid,
-        frozen: frozen::freeze(&mem, &glibc, &maps),
+        frozen: frozen::freeze(&mem, &glibc, &maps, buffers),
     })
+}
+
+/// Memory for [`copy_process`] to copy the heap of `pid` into, faulted in
+/// while it still runs (none when its heap cannot be read).
+pub fn reserve_copy(pid: i32) -> Buffers {
+    match open_process(pid) {
+        Ok((mem, glibc, _)) => frozen::reserve(&mem, &glibc),
+        Err(_) => Buffers::default(),
+    }
 }
 
 /// The memory, glibc and mappings of process `pid`, once its memory is

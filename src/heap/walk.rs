@@ -16,6 +16,7 @@
 
 use std::collections::HashSet;
 
+use super::frozen::Buffers;
 use super::mmapped::{mmapped, pages};
 use super::tcache::tcaches;
 use super::{Arena, Chunk, ChunkState, Glibc, HeapMap, HeapRange, Residency};
@@ -83,14 +84,14 @@ pub(super) fn reveal(at: u64, stored: u64, safe_linking: bool) -> u64 {
 }
 
 /// The fields of `malloc_state` the walk needs.
-struct State {
+pub(super) struct State {
     mutex: u32,
     top: u64,
-    next: u64,
-    system_mem: u64,
+    pub(super) next: u64,
+    pub(super) system_mem: u64,
 }
 
-fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
+pub(super) fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
     let l = &g.layout;
     Ok(State {
         mutex: word(mem, arena)? as u32,
@@ -112,14 +113,15 @@ pub(super) struct Copy {
 /// The bytes from `start` to `end`, read [`PIECE`] at a time: a length
 /// the target made up fails at its first unmapped piece instead of being
 /// allocated whole.
-fn read_range(mem: &dyn Memory, start: u64, end: u64) -> Walked<Vec<u8>> {
+fn read_range(mem: &dyn Memory, start: u64, end: u64, buffers: &mut Buffers) -> Walked<Vec<u8>> {
     let len = end
         .checked_sub(start)
         .ok_or_else(|| format!("the range {start:#x}..{end:#x} ends before it starts"))?;
     // The main arena's range was checked against the mappings, a thread
     // arena's is at most HEAP_MAX: the length can be reserved at once,
-    // sparing a reallocation and copy per piece.
-    let mut bytes = Vec::with_capacity(len as usize);
+    // sparing a reallocation and copy per piece (or taken from memory
+    // faulted in before the program was stopped).
+    let mut bytes = buffers.take(len as usize);
     let mut done = 0;
     while done < len {
         let n = (len - done).min(PIECE);
@@ -159,6 +161,7 @@ pub(super) fn copy(
     arena: u64,
     main: bool,
     sbrk_base: u64,
+    buffers: &mut Buffers,
 ) -> Walked<Copy> {
     let l = &g.layout;
     let before = state(mem, g, arena)?;
@@ -171,7 +174,10 @@ pub(super) fn copy(
         _ => end,
     };
     if main {
-        snap = snap.with_owned(arena, read_range(mem, arena, add(arena, l.state_size)?)?);
+        snap = snap.with_owned(
+            arena,
+            read_range(mem, arena, add(arena, l.state_size)?, buffers)?,
+        );
         if before.system_mem > 0 {
             let end = add(sbrk_base, before.system_mem)?;
             if !covered(maps, sbrk_base, end) {
@@ -180,7 +186,7 @@ pub(super) fn copy(
                 ));
             }
             let used = used_end(sbrk_base, end);
-            snap = snap.with_owned(sbrk_base, read_range(mem, sbrk_base, used)?);
+            snap = snap.with_owned(sbrk_base, read_range(mem, sbrk_base, used, buffers)?);
             heaps.push(HeapRange {
                 start: sbrk_base,
                 end,
@@ -210,7 +216,7 @@ pub(super) fn copy(
                 return Err(format!("the list of heaps does not end (at {h:#x})"));
             }
             let end = add(h, size)?;
-            snap = snap.with_owned(h, read_range(mem, h, used_end(h, end))?);
+            snap = snap.with_owned(h, read_range(mem, h, used_end(h, end), buffers)?);
             heaps.push(HeapRange { start: h, end });
             h = prev;
         }
@@ -549,7 +555,15 @@ fn read_arena(
         if attempt > 0 {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        match copy(mem, g, maps, arena, main, sbrk_base) {
+        match copy(
+            mem,
+            g,
+            maps,
+            arena,
+            main,
+            sbrk_base,
+            &mut Buffers::default(),
+        ) {
             Ok(c) => {
                 next = Some(c.next);
                 locked = c.locked;

@@ -37,9 +37,9 @@ pub(super) struct Inventory {
 impl Tracer {
     /// At attach, every thread of `pid` stopped and the hooks in place:
     /// the heap as it is at this instant, copied.
-    pub(super) fn copy_heap(&mut self, pid: Tid) -> Inventory {
+    pub(super) fn copy_heap(&mut self, pid: Tid, buffers: heap::Buffers) -> Inventory {
         let ts_ns = self.now_ns();
-        let copy = caught(|| heap::copy_process(pid).map_err(|e| e.to_string()));
+        let copy = caught(|| heap::copy_process(pid, buffers).map_err(|e| e.to_string()));
         Inventory { pid, ts_ns, copy }
     }
 
