@@ -2,12 +2,12 @@
 //! `heap_snapshots` row: at attach, where the blocks already live become
 //! `inventory` events in the ledger (so their frees pair with them and
 //! leaks and peak count them), copied while every thread is stopped and
-//! walked once they run again, before any call is read; at the exit of a traced process, stopped at
-//! PTRACE_EVENT_EXIT with its memory still there (`ptrace(2)`); and just
-//! after the detach, the program running again: read as a live process's
-//! heap (each arena copied while its mutex is free), so that a large heap
-//! does not lengthen the detach's stop (it took 220-330 ms of a 200 k-block
-//! heap's, docs/performance.md).
+//! walked once they run again, before any call is read; at the exit of a
+//! traced process, stopped at PTRACE_EVENT_EXIT with its memory still
+//! there (`ptrace(2)`); and just after the detach, the program running
+//! again: read as a live process's heap (each arena copied while its mutex
+//! is free), so that a large heap does not lengthen the detach's stop (it
+//! took 220-330 ms of a 200 k-block heap's, docs/performance.md).
 //!
 //! A heap that cannot be mapped (musl, a stripped static binary, glibc
 //! without symbols) is stored with its reason and changes nothing else: no
