@@ -31,9 +31,9 @@ pub(super) struct Frozen {
 
 /// Memory to copy arenas into. A fresh buffer costs the kernel a page
 /// fault and a cleared page per 4 KiB it copies into: most of the time
-/// the copy of a large heap took (43 of its 56 MB in ms). [`reserve`]
-/// faults them in while the program still runs; a copy takes the smallest
-/// that holds it, or a new one.
+/// the copy of a large heap took (43 ms for 56 MB, docs/performance.md).
+/// [`super::reserve_copy`] faults them in while the program still runs; a
+/// copy takes the smallest that holds it, or a new one.
 #[derive(Default)]
 pub struct Buffers(pub(super) Vec<Vec<u8>>);
 
