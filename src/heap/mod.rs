@@ -17,6 +17,7 @@
 //! the other, milliseconds apart: a live map is not one instant.
 
 mod dwarf;
+mod frozen;
 mod glibc;
 mod mmapped;
 mod tcache;
@@ -29,6 +30,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+pub use frozen::Buffers;
 pub use glibc::{Glibc, Layout, TCACHE_BINS, is_c_library, prepare};
 
 use crate::memory::Memory;
@@ -359,6 +361,52 @@ pub const LIVE_ATTEMPTS: u32 = 100;
 /// ptrace), so one read of each arena is the truth; otherwise arenas are
 /// read again while they change.
 pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
+    if stopped {
+        return copy_process(pid, Buffers::default()).map(HeapCopy::walk);
+    }
+    let (mem, glibc, maps) = open_process(pid)?;
+    Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), LIVE_ATTEMPTS))
+}
+
+/// The heap of a stopped process, copied: [`HeapCopy::walk`] makes its map
+/// later, the process running again (the copy is what needs it stopped).
+pub struct HeapCopy {
+    pid: i32,
+    frozen: frozen::Frozen,
+}
+
+impl HeapCopy {
+    /// The map of the heap as it was copied; residency as it is now.
+    pub fn walk(self) -> HeapMap {
+        frozen::thaw(self.frozen, &Pagemap(self.pid))
+    }
+}
+
+/// Copy the heap of process `pid`, every thread of which is stopped (by
+/// ptrace): each arena read once, in as few `process_vm_readv` calls as
+/// its heaps make, into `buffers` where they hold it.
+pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
+    let (mem, glibc, maps) = open_process(pid)?;
+    Ok(HeapCopy {
+        pid,
+        frozen: frozen::freeze(&mem, &glibc, &maps, buffers),
+    })
+}
+
+/// Memory for [`copy_process`] to copy the heap of `pid` into, faulted in
+/// while it still runs (none when its heap cannot be read).
+pub fn reserve_copy(pid: i32) -> Buffers {
+    match open_process(pid) {
+        Ok((mem, glibc, _)) => frozen::reserve(&mem, &glibc),
+        Err(_) => Buffers::default(),
+    }
+}
+
+/// The memory, glibc and mappings of process `pid`, once its memory is
+/// known to be readable.
+fn open_process(
+    pid: i32,
+) -> Result<(crate::os::mem::ProcessMemory, Glibc, Vec<Mapping>), HeapError> {
     let maps = procfs::read_maps(pid).map_err(|err| match err.kind() {
         io::ErrorKind::NotFound => HeapError::NoSuchProcess(pid),
         _ => HeapError::Denied { pid, source: err },
@@ -369,8 +417,7 @@ pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
     // One word of main_arena tells whether the memory can be read at all.
     mem.read_u64(glibc.main_arena)
         .map_err(|source| HeapError::Denied { pid, source })?;
-    let attempts = if stopped { 1 } else { LIVE_ATTEMPTS };
-    Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), attempts))
+    Ok((mem, glibc, maps))
 }
 
 /// Read ahead, while process `pid` still runs, what a map of its heap

@@ -214,6 +214,53 @@ fn walks_an_arena_and_adds_up_as_mallinfo2() {
     );
 }
 
+/// At attach the heap is copied while the program is stopped and walked
+/// once it runs: the map is the one read at once, and what the program
+/// writes after the copy is in none of it.
+#[test]
+fn a_heap_copied_then_walked_is_the_heap_read_at_once() {
+    let mut b = sample();
+    let expected = b.read();
+    let frozen = frozen::freeze(&b.memory(), &glibc(), &maps(""), Buffers::default());
+    b.heap.fill(0xff);
+    b.arena.fill(0xff);
+    assert_eq!(frozen::thaw(frozen, &NoResidency), expected);
+    assert_eq!(expected.live_blocks().len(), 3);
+
+    // An arena whose copy does not walk: the same error, no chunks.
+    let mut broken = sample();
+    put(&mut broken.heap, 0x290 + 8, 0x9990 | 1);
+    let frozen = frozen::freeze(&broken.memory(), &glibc(), &maps(""), Buffers::default());
+    let map = frozen::thaw(frozen, &NoResidency);
+    assert_eq!(map, broken.read());
+    assert!(map.arenas[0].error.as_deref().unwrap().contains("bad size"));
+}
+
+/// The heap is copied into memory reserved ahead: each heap into the
+/// smallest buffer that holds it, a few pages into none.
+#[test]
+fn copies_take_the_smallest_buffer_that_holds_them() {
+    let mut buffers = Buffers(vec![
+        Vec::with_capacity(1 << 20),
+        Vec::with_capacity(4 << 20),
+    ]);
+    assert!(buffers.take(4096).capacity() < 1 << 20);
+    assert_eq!(buffers.take(2 << 20).capacity(), 4 << 20);
+    assert_eq!(buffers.take(128 << 10).capacity(), 1 << 20);
+    assert_eq!(buffers.take(256 << 10).capacity(), 256 << 10);
+
+    // Reserved from the arenas' system_mem, and the copy the same.
+    let b = sample();
+    let reserved = frozen::reserve(&b.memory(), &glibc());
+    assert_eq!(reserved.0.len(), 1);
+    assert_eq!(
+        reserved.0[0].len() as u64,
+        HEAP_SIZE + HEAP_SIZE / 4 + (1 << 20)
+    );
+    let frozen = frozen::freeze(&b.memory(), &glibc(), &maps(""), reserved);
+    assert_eq!(frozen::thaw(frozen, &NoResidency), b.read());
+}
+
 #[test]
 fn a_broken_arena_is_reported_not_drawn() {
     // A chunk size running past the heap.

@@ -16,6 +16,7 @@
 
 use std::collections::HashSet;
 
+use super::frozen::Buffers;
 use super::mmapped::{mmapped, pages};
 use super::tcache::tcaches;
 use super::{Arena, Chunk, ChunkState, Glibc, HeapMap, HeapRange, Residency};
@@ -33,7 +34,7 @@ const MAX_ARENAS: usize = 4096;
 /// from the target is allocated only as far as it can be read.
 const PIECE: u64 = 16 << 20;
 
-type Walked<T> = Result<T, String>;
+pub(super) type Walked<T> = Result<T, String>;
 
 /// Chunks by address: sorted pairs looked up by binary search, cheaper to
 /// build than a hash map for the 200 k chunks of a large heap, which is
@@ -83,14 +84,14 @@ pub(super) fn reveal(at: u64, stored: u64, safe_linking: bool) -> u64 {
 }
 
 /// The fields of `malloc_state` the walk needs.
-struct State {
+pub(super) struct State {
     mutex: u32,
     top: u64,
-    next: u64,
-    system_mem: u64,
+    pub(super) next: u64,
+    pub(super) system_mem: u64,
 }
 
-fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
+pub(super) fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
     let l = &g.layout;
     Ok(State {
         mutex: word(mem, arena)? as u32,
@@ -102,24 +103,25 @@ fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
 
 /// An arena copied: its `malloc_state` and its heaps, and whether its mutex
 /// was held.
-struct Copy {
-    mem: Snapshot,
-    heaps: Vec<HeapRange>,
-    locked: bool,
-    next: u64,
+pub(super) struct Copy {
+    pub(super) mem: Snapshot,
+    pub(super) heaps: Vec<HeapRange>,
+    pub(super) locked: bool,
+    pub(super) next: u64,
 }
 
 /// The bytes from `start` to `end`, read [`PIECE`] at a time: a length
 /// the target made up fails at its first unmapped piece instead of being
 /// allocated whole.
-fn read_range(mem: &dyn Memory, start: u64, end: u64) -> Walked<Vec<u8>> {
+fn read_range(mem: &dyn Memory, start: u64, end: u64, buffers: &mut Buffers) -> Walked<Vec<u8>> {
     let len = end
         .checked_sub(start)
         .ok_or_else(|| format!("the range {start:#x}..{end:#x} ends before it starts"))?;
     // The main arena's range was checked against the mappings, a thread
     // arena's is at most HEAP_MAX: the length can be reserved at once,
-    // sparing a reallocation and copy per piece.
-    let mut bytes = Vec::with_capacity(len as usize);
+    // sparing a reallocation and copy per piece (or taken from memory
+    // faulted in before the program was stopped).
+    let mut bytes = buffers.take(len as usize);
     let mut done = 0;
     while done < len {
         let n = (len - done).min(PIECE);
@@ -152,13 +154,14 @@ fn covered(maps: &[Mapping], start: u64, end: u64) -> bool {
 /// `maps`: the process's mappings, which the main arena's heap must lie in
 /// (its `system_mem` is a length the target states, and what the walk
 /// allocates for its pages follows it).
-fn copy(
+pub(super) fn copy(
     mem: &dyn Memory,
     g: &Glibc,
     maps: &[Mapping],
     arena: u64,
     main: bool,
     sbrk_base: u64,
+    buffers: &mut Buffers,
 ) -> Walked<Copy> {
     let l = &g.layout;
     let before = state(mem, g, arena)?;
@@ -171,7 +174,10 @@ fn copy(
         _ => end,
     };
     if main {
-        snap = snap.with_owned(arena, read_range(mem, arena, add(arena, l.state_size)?)?);
+        snap = snap.with_owned(
+            arena,
+            read_range(mem, arena, add(arena, l.state_size)?, buffers)?,
+        );
         if before.system_mem > 0 {
             let end = add(sbrk_base, before.system_mem)?;
             if !covered(maps, sbrk_base, end) {
@@ -180,7 +186,7 @@ fn copy(
                 ));
             }
             let used = used_end(sbrk_base, end);
-            snap = snap.with_owned(sbrk_base, read_range(mem, sbrk_base, used)?);
+            snap = snap.with_owned(sbrk_base, read_range(mem, sbrk_base, used, buffers)?);
             heaps.push(HeapRange {
                 start: sbrk_base,
                 end,
@@ -210,7 +216,7 @@ fn copy(
                 return Err(format!("the list of heaps does not end (at {h:#x})"));
             }
             let end = add(h, size)?;
-            snap = snap.with_owned(h, read_range(mem, h, used_end(h, end))?);
+            snap = snap.with_owned(h, read_range(mem, h, used_end(h, end), buffers)?);
             heaps.push(HeapRange { start: h, end });
             h = prev;
         }
@@ -226,7 +232,7 @@ fn copy(
 }
 
 /// Walk one arena on its copy.
-fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
+pub(super) fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
     let mem: &dyn Memory = &c.mem;
     let l = &g.layout;
     let st = state(mem, g, arena)?;
@@ -440,7 +446,8 @@ fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -
     Ok(())
 }
 
-/// Read the whole heap.
+/// Read the whole heap of a running process: each arena copied and walked
+/// until it reads right (up to `attempts` times).
 pub(super) fn read_heap(
     mem: &dyn Memory,
     g: &Glibc,
@@ -448,6 +455,34 @@ pub(super) fn read_heap(
     residency: &dyn Residency,
     attempts: u32,
 ) -> HeapMap {
+    let (mut map, sbrk_base) = begin(mem, g);
+    let Some(sbrk_base) = sbrk_base else {
+        return map;
+    };
+    let (read, bad_list) = each_arena(g, |arena, main| {
+        read_arena(mem, g, maps, arena, main, sbrk_base, attempts)
+    });
+    let mut all = Snapshot::new();
+    for read in read {
+        match read {
+            Ok((a, copy)) => {
+                all.merge(copy.mem);
+                map.arenas.push(a);
+            }
+            Err(a) => map.arenas.push(a),
+        }
+    }
+    map.arenas.extend(bad_list);
+    tcaches(&all, g, &mut map.arenas);
+    mmapped(mem, g, maps, &mut map);
+    pages(&mut map, residency);
+    map
+}
+
+/// A map begun from glibc's `mp_` (the mmapped blocks' count and bytes)
+/// and `narenas`; and where the brk heap starts (`sbrk_base`). When `mp_`
+/// cannot be read: the map, its main arena failed, and no `sbrk_base`.
+pub(super) fn begin(mem: &dyn Memory, g: &Glibc) -> (HeapMap, Option<u64>) {
     let l = &g.layout;
     let mut map = HeapMap::default();
     let mp = |off: u64| word(mem, g.mp + off);
@@ -461,46 +496,46 @@ pub(super) fn read_heap(
                     error: Some(e),
                     ..Arena::default()
                 });
-                return map;
+                return (map, None);
             }
         };
     map.n_mmaps = n_mmaps;
     map.mmapped_mem = mmapped_mem;
     map.narenas = g.narenas.and_then(|at| word(mem, at).ok());
-    let mut all = Snapshot::new();
+    (map, Some(sbrk_base))
+}
+
+/// Follow the arenas' `next` list from `main_arena`: `step` reads each
+/// (its main flag given) and says which arena comes next, if it read that
+/// far. Each arena is taken once and at most [`MAX_ARENAS`]: a list that
+/// does not come back to `main_arena` ends in an arena with that error.
+pub(super) fn each_arena<T>(
+    g: &Glibc,
+    mut step: impl FnMut(u64, bool) -> (T, Option<u64>),
+) -> (Vec<T>, Option<Arena>) {
+    let mut read = Vec::new();
     let mut arena = g.main_arena;
     let mut seen = HashSet::new();
     loop {
         seen.insert(arena);
-        let main = arena == g.main_arena;
-        let (read, next) = read_arena(mem, g, maps, arena, main, sbrk_base, attempts);
-        match read {
-            Ok((a, copy)) => {
-                all.merge(copy.mem);
-                map.arenas.push(a);
-            }
-            Err(a) => map.arenas.push(a),
-        }
+        let (one, next) = step(arena, arena == g.main_arena);
+        read.push(one);
         match next {
-            Some(next) if next == g.main_arena || next == 0 => break,
-            Some(next) if seen.contains(&next) || map.arenas.len() >= MAX_ARENAS => {
-                map.arenas.push(Arena {
+            Some(next) if next == g.main_arena || next == 0 => return (read, None),
+            Some(next) if seen.contains(&next) || read.len() >= MAX_ARENAS => {
+                let bad = Arena {
                     addr: next,
                     error: Some(format!(
                         "the list of arenas does not return to main_arena (at {next:#x})"
                     )),
                     ..Arena::default()
-                });
-                break;
+                };
+                return (read, Some(bad));
             }
             Some(next) => arena = next,
-            None => break,
+            None => return (read, None),
         }
     }
-    tcaches(&all, g, &mut map.arenas);
-    mmapped(mem, g, maps, &mut map);
-    pages(&mut map, residency);
-    map
 }
 
 /// One arena, copied and walked until it reads right; and the next arena.
@@ -520,7 +555,15 @@ fn read_arena(
         if attempt > 0 {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        match copy(mem, g, maps, arena, main, sbrk_base) {
+        match copy(
+            mem,
+            g,
+            maps,
+            arena,
+            main,
+            sbrk_base,
+            &mut Buffers::default(),
+        ) {
             Ok(c) => {
                 next = Some(c.next);
                 locked = c.locked;

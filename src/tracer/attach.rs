@@ -58,6 +58,9 @@ impl Tracer {
         // Before a thread stops: the heap map at attach then finds its
         // allocator's layout ready.
         crate::heap::prepare_process(pid);
+        // Memory to copy its heap into, faulted in while it runs: a fresh
+        // buffer's page faults were most of the copy's time.
+        let buffers = crate::heap::reserve_copy(pid);
         let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
         tracer.control.attached = true;
         tracer
@@ -68,7 +71,7 @@ impl Tracer {
         for &tid in &seized {
             tracer.add_thread(tid, pid);
         }
-        match tracer.hook_stopped(pid, &seized) {
+        match tracer.hook_stopped(pid, &seized, buffers) {
             Ok(()) => {
                 // `--duration` is the time traced: it starts now. (It also
                 // bounded the attach itself.)
@@ -89,7 +92,12 @@ impl Tracer {
     }
 
     /// Stop every seized thread, hook the images, resume them.
-    fn hook_stopped(&mut self, pid: Tid, seized: &[Tid]) -> Result<(), TraceError> {
+    fn hook_stopped(
+        &mut self,
+        pid: Tid,
+        seized: &[Tid],
+        buffers: crate::heap::Buffers,
+    ) -> Result<(), TraceError> {
         let mut pause = PauseClock::start("attach");
         let resume = self.stop_all(pid, seized)?;
         pause.lap("stop");
@@ -136,8 +144,10 @@ impl Tracer {
             });
         }
         pause.lap("hook");
-        let inventory = self.take_inventory(pid);
-        pause.lap("inventory");
+        // Only the copy of the heap needs the program stopped: the walk of
+        // the copy and the inventory come once it runs again.
+        let heap = self.copy_heap(pid, buffers);
+        pause.lap("heap_copy");
         // Slots now: an int3 stop for one is fatal if memptrace dies in it.
         for &tid in resume.keys() {
             self.register_early(tid);
@@ -169,8 +179,11 @@ impl Tracer {
             }
         }
         pause.lap("resume");
-        self.stats.pauses.push(pause.finish());
-        self.send_inventory(inventory);
+        let mut pause = pause.finish();
+        let walking = std::time::Instant::now();
+        self.take_inventory(heap);
+        pause.after = Some(("inventory", walking.elapsed()));
+        self.stats.pauses.push(pause);
         Ok(())
     }
 

@@ -1,12 +1,13 @@
 //! Heap maps the tracer takes ([`crate::heap`]), each stored as a
 //! `heap_snapshots` row: at attach, where the blocks already live become
 //! `inventory` events in the ledger (so their frees pair with them and
-//! leaks and peak count them); at the exit of a traced process, stopped at
-//! PTRACE_EVENT_EXIT with its memory still there (`ptrace(2)`); and just
-//! after the detach, the program running again: read as a live process's
-//! heap (each arena copied while its mutex is free), so that a large heap
-//! does not lengthen the detach's stop (it took 220-330 ms of a 200 k-block
-//! heap's, docs/performance.md).
+//! leaks and peak count them), copied while every thread is stopped and
+//! walked once they run again, before any call is read; at the exit of a
+//! traced process, stopped at PTRACE_EVENT_EXIT with its memory still
+//! there (`ptrace(2)`); and just after the detach, the program running
+//! again: read as a live process's heap (each arena copied while its mutex
+//! is free), so that a large heap does not lengthen the detach's stop (it
+//! took 220-330 ms of a 200 k-block heap's, docs/performance.md).
 //!
 //! A heap that cannot be mapped (musl, a stripped static binary, glibc
 //! without symbols) is stored with its reason and changes nothing else: no
@@ -21,52 +22,50 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use super::process::Role;
 use super::{TraceMsg, Tracer};
-use crate::event::Event;
-use crate::heap::{self, HeapMap};
+use crate::heap::{self, HeapCopy, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
 
-/// The heap at attach, taken while the program waits, to be sent on once
-/// it runs again ([`Tracer::send_inventory`]).
+/// The heap at attach, copied while the program waits, to be walked and
+/// sent on once it runs again ([`Tracer::take_inventory`]).
 pub(super) struct Inventory {
     pid: Tid,
     ts_ns: u64,
-    events: Vec<Event>,
-    map: Result<HeapMap, String>,
+    copy: Result<HeapCopy, String>,
 }
 
 impl Tracer {
     /// At attach, every thread of `pid` stopped and the hooks in place:
-    /// the blocks live now enter the ledger, before any call it records.
-    pub(super) fn take_inventory(&mut self, pid: Tid) -> Inventory {
+    /// the heap as it is at this instant, copied.
+    pub(super) fn copy_heap(&mut self, pid: Tid, buffers: heap::Buffers) -> Inventory {
         let ts_ns = self.now_ns();
-        let map = read_heap(pid, true);
-        let mut events = Vec::new();
+        let copy = caught(|| heap::copy_process(pid, buffers).map_err(|e| e.to_string()));
+        Inventory { pid, ts_ns, copy }
+    }
+
+    /// The program running again, before the wait loop reads any call it
+    /// made since: the copy walked, the blocks live at the attach enter the
+    /// ledger first (their frees pair with them), and their events and the
+    /// map go on. The calls made meanwhile wait in the rings (jump probes)
+    /// or at their breakpoint (int3) until the wait loop takes over, so
+    /// none is booked before the inventory and none is lost or counted
+    /// twice: the copy is of the instant before any was recorded.
+    pub(super) fn take_inventory(&mut self, inventory: Inventory) {
+        let Inventory { pid, ts_ns, copy } = inventory;
+        let map = copy.and_then(|copy| caught(|| Ok(copy.walk())));
         if let Ok(map) = &map {
             let blocks = map.live_blocks();
-            events = self
+            let events = self
                 .ledger
                 .inventory(pid as u32, pid as u32, ts_ns, &blocks);
             self.progress.update(&self.ledger);
+            // Handing 200 k events to the pipeline waits for it to make
+            // room: a third of the attach's stop when it was in it.
+            for event in events {
+                self.send(TraceMsg::Record(Record::Event(event)));
+            }
         }
-        Inventory {
-            pid,
-            ts_ns,
-            events,
-            map,
-        }
-    }
-
-    /// Send the inventory's events and map on, the program running again:
-    /// handing 200 k events to the pipeline waits for it to make room (a
-    /// third of the attach's stop, docs/performance.md). They still come
-    /// before any call recorded: the rings and the stops are read only
-    /// once the wait loop takes over.
-    pub(super) fn send_inventory(&mut self, inventory: Inventory) {
-        for event in inventory.events {
-            self.send(TraceMsg::Record(Record::Event(event)));
-        }
-        self.send_heap(inventory.pid, inventory.ts_ns, "attach", inventory.map);
+        self.send_heap(pid, ts_ns, "attach", map);
     }
 
     /// The main thread of a traced process is exiting: its heap as it was
@@ -80,7 +79,7 @@ impl Tracer {
             .is_some_and(|p| p.role == Role::Traced);
         if traced {
             let ts_ns = self.now_ns();
-            let map = read_heap(tid, false);
+            let map = read_heap(tid);
             self.send_heap(tid, ts_ns, "exit", map);
         }
     }
@@ -102,7 +101,7 @@ impl Tracer {
     pub(super) fn map_heaps_after_detach(&mut self, pids: Vec<Tid>) {
         for pid in pids {
             let ts_ns = self.now_ns();
-            let map = read_heap(pid, false);
+            let map = read_heap(pid);
             self.send_heap(pid, ts_ns, "detach", map);
         }
     }
@@ -139,11 +138,16 @@ impl Tracer {
     }
 }
 
-/// Map the heap of `pid`. The walk checks every word it reads; should it
-/// panic all the same, the map is lost, never the trace.
-fn read_heap(pid: Tid, stopped: bool) -> Result<HeapMap, String> {
-    match catch_unwind(AssertUnwindSafe(|| heap::read_process(pid, stopped))) {
-        Ok(map) => map.map_err(|e| e.to_string()),
+/// Map the heap of `pid`, read as a running process's.
+fn read_heap(pid: Tid) -> Result<HeapMap, String> {
+    caught(|| heap::read_process(pid, false).map_err(|e| e.to_string()))
+}
+
+/// What `f` returns. The walk checks every word it reads; should it panic
+/// all the same, the map is lost, never the trace.
+fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(done) => done,
         Err(panic) => {
             let what = panic
                 .downcast_ref::<&str>()

@@ -1,5 +1,5 @@
 //! How long the program stood still for memptrace: every thread is stopped
-//! while memptrace attaches (hooks and takes the inventory) and while it
+//! while memptrace attaches (hooks and copies the heap) and while it
 //! detaches (leaves the probes, puts the code back). Each such pause is
 //! timed phase by phase, and the longest of each kind goes to `meta`
 //! (`attach_pause_ms`, `detach_pause_ms` and their phases), so that a
@@ -15,6 +15,11 @@ pub struct Pause {
     pub total: Duration,
     /// Each phase in order, with its length.
     pub phases: Vec<(&'static str, Duration)>,
+    /// Work done for this pause once every thread ran again, before
+    /// memptrace read the calls made meanwhile (the attach's inventory),
+    /// with its length: no thread stood still for it, but a call waited
+    /// for it at an int3 probe, or in a full ring.
+    pub after: Option<(&'static str, Duration)>,
 }
 
 /// A pause being timed.
@@ -50,13 +55,14 @@ impl PauseClock {
             kind: self.kind,
             total: self.last - self.start,
             phases: self.phases,
+            after: None,
         }
     }
 }
 
-/// `meta` rows for the longest pause of each kind: `<kind>_pause_ms`, and
-/// `<kind>_pause.<phase>_ms` for each of its phases (milliseconds, three
-/// decimals).
+/// `meta` rows for the longest pause of each kind: `<kind>_pause_ms`,
+/// `<kind>_pause.<phase>_ms` for each of its phases, and `<kind>_<work>_ms`
+/// for what was done after it (milliseconds, three decimals).
 pub fn meta_rows(pauses: &[Pause]) -> Vec<(String, String)> {
     let ms = |d: Duration| format!("{:.3}", d.as_secs_f64() * 1e3);
     let mut rows = Vec::new();
@@ -71,6 +77,9 @@ pub fn meta_rows(pauses: &[Pause]) -> Vec<(String, String)> {
         rows.push((format!("{kind}_pause_ms"), ms(longest.total)));
         for (phase, d) in &longest.phases {
             rows.push((format!("{kind}_pause.{phase}_ms"), ms(*d)));
+        }
+        if let Some((work, d)) = longest.after {
+            rows.push((format!("{kind}_{work}_ms"), ms(d)));
         }
     }
     rows
@@ -89,6 +98,7 @@ mod tests {
                 .into_iter()
                 .zip(ms.iter().map(|&m| Duration::from_millis(m)))
                 .collect(),
+            after: (kind == "attach").then(|| ("inventory", Duration::from_millis(ms[0] * 10))),
         };
         let rows = meta_rows(&[
             pause("attach", &[1, 2]),
@@ -102,6 +112,7 @@ mod tests {
                 ("attach_pause_ms", "7.000"),
                 ("attach_pause.stop_ms", "3.000"),
                 ("attach_pause.hook_ms", "4.000"),
+                ("attach_inventory_ms", "30.000"),
                 ("detach_pause_ms", "1.000"),
                 ("detach_pause.stop_ms", "0.000"),
                 ("detach_pause.hook_ms", "1.000"),

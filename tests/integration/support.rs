@@ -40,7 +40,7 @@ const TRACEES: [&str; 22] = [
 ];
 
 /// Tracees of the heap walker's untrusted input and of the attach's pauses.
-const MORE_TRACEES: [&str; 2] = ["hostile_heap", "gaps"];
+const MORE_TRACEES: [&str; 3] = ["hostile_heap", "gaps", "busyheap"];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
 /// each tracee function really calls the allocator and stays on the stack.
