@@ -48,8 +48,9 @@
 use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Instruction};
 
+use super::labels::{Labels, arg_regs};
 use super::layout::{self, Called, dir, record, rule, slot};
-use super::liveness::if_gone;
+use super::liveness::if_gone_keeping;
 use crate::event::Op;
 use crate::os::sentinel::TID_MASK;
 
@@ -585,52 +586,6 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     Ok(())
 }
 
-/// The registers carrying a call's arguments, and the slot fields that keep
-/// them while its probe runs: three for an allocator call, six for a
-/// mapping call.
-fn arg_regs(map: bool) -> &'static [(AsmRegister64, u64)] {
-    const SIX: [(AsmRegister64, u64); 6] = [
-        (rdi, slot::ARG0),
-        (rsi, slot::ARG1),
-        (rdx, slot::ARG2),
-        (rcx, slot::ARG3),
-        (r8, slot::ARG4),
-        (r9, slot::ARG5),
-    ];
-    if map { &SIX } else { &SIX[..3] }
-}
-
-/// [`if_gone`], keeping rcx, r8 and r9 (`keep`: a mapping call's arguments,
-/// which it clobbers) on the stack meanwhile.
-fn if_gone_keeping(
-    a: &mut CodeAssembler,
-    control: u64,
-    gone: CodeLabel,
-    keep: bool,
-) -> Result<(), IcedError> {
-    if !keep {
-        return if_gone(a, control, gone);
-    }
-    let mut out = a.create_label();
-    let mut here = a.create_label();
-    for reg in [rcx, r8, r9] {
-        a.push(reg)?;
-    }
-    if_gone(a, control, out)?;
-    for reg in [r9, r8, rcx] {
-        a.pop(reg)?;
-    }
-    a.jmp(here)?;
-    a.set_label(&mut out)?;
-    for reg in [r9, r8, rcx] {
-        a.pop(reg)?;
-    }
-    a.jmp(gone)?;
-    a.set_label(&mut here)?;
-    a.nop()?;
-    Ok(())
-}
-
 /// `reg` = the entry of the thread's rule cache (r10: its slot) for the
 /// return address in r12: (address, rule), 16 bytes, direct-mapped by a
 /// Fibonacci hash.
@@ -641,87 +596,4 @@ fn cache_entry(a: &mut CodeAssembler, reg: AsmRegister64) -> Result<(), IcedErro
     a.shl(reg, 4)?;
     a.add(reg, qword_ptr(r10 + slot::CACHE as i32))?;
     Ok(())
-}
-
-/// The labels of a probe.
-struct Labels {
-    entry: CodeLabel,
-    miss: CodeLabel,
-    found: CodeLabel,
-    claim: CodeLabel,
-    outermost: CodeLabel,
-    only_caller: CodeLabel,
-    frame: CodeLabel,
-    dir_loop: CodeLabel,
-    dir_left: CodeLabel,
-    dir_end: CodeLabel,
-    key_loop: CodeLabel,
-    key_left: CodeLabel,
-    key_end: CodeLabel,
-    keep_bp: CodeLabel,
-    frame_pointer: CodeLabel,
-    cache_ok: CodeLabel,
-    lookup: CodeLabel,
-    found_rule: CodeLabel,
-    have_rule: CodeLabel,
-    truncated: CodeLabel,
-    full: CodeLabel,
-    walked: CodeLabel,
-    ret_path: CodeLabel,
-    ret_claim: CodeLabel,
-    ret_release: CodeLabel,
-    ret_out: CodeLabel,
-    stored: CodeLabel,
-    release_nested: CodeLabel,
-    release: CodeLabel,
-    skip_nested: CodeLabel,
-    wait_room: CodeLabel,
-    sleep: CodeLabel,
-    let_through: CodeLabel,
-    displaced: CodeLabel,
-    back: CodeLabel,
-    end: CodeLabel,
-}
-
-impl Labels {
-    fn new(a: &mut CodeAssembler) -> Labels {
-        Labels {
-            entry: a.create_label(),
-            miss: a.create_label(),
-            found: a.create_label(),
-            claim: a.create_label(),
-            outermost: a.create_label(),
-            only_caller: a.create_label(),
-            frame: a.create_label(),
-            dir_loop: a.create_label(),
-            dir_left: a.create_label(),
-            dir_end: a.create_label(),
-            key_loop: a.create_label(),
-            key_left: a.create_label(),
-            key_end: a.create_label(),
-            keep_bp: a.create_label(),
-            frame_pointer: a.create_label(),
-            cache_ok: a.create_label(),
-            lookup: a.create_label(),
-            found_rule: a.create_label(),
-            have_rule: a.create_label(),
-            truncated: a.create_label(),
-            full: a.create_label(),
-            walked: a.create_label(),
-            ret_path: a.create_label(),
-            ret_claim: a.create_label(),
-            ret_release: a.create_label(),
-            ret_out: a.create_label(),
-            stored: a.create_label(),
-            release_nested: a.create_label(),
-            release: a.create_label(),
-            skip_nested: a.create_label(),
-            wait_room: a.create_label(),
-            sleep: a.create_label(),
-            let_through: a.create_label(),
-            displaced: a.create_label(),
-            back: a.create_label(),
-            end: a.create_label(),
-        }
-    }
 }
