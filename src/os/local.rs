@@ -92,6 +92,23 @@ impl LocalMapping {
     }
 }
 
+impl LocalMapping {
+    /// Call the code at `offset` as `extern "C" fn(u64, u64, u64, u64, u64,
+    /// u64) -> u64` (six arguments: rdi, rsi, rdx, rcx, r8, r9).
+    ///
+    /// # Safety
+    /// As for [`LocalMapping::call`].
+    pub unsafe fn call6(&self, offset: usize, args: [u64; 6]) -> u64 {
+        assert!(offset < self.len);
+        // SAFETY: the caller vouches for the code (see `call`).
+        unsafe {
+            let f: extern "C" fn(u64, u64, u64, u64, u64, u64) -> u64 =
+                std::mem::transmute(self.ptr.add(offset));
+            f(args[0], args[1], args[2], args[3], args[4], args[5])
+        }
+    }
+}
+
 impl Drop for LocalMapping {
     fn drop(&mut self) {
         // SAFETY: our own mapping of `len` bytes, no longer used.

@@ -12,11 +12,13 @@
 //! runs again, and sets the area's `GONE` word when it lets go of it.
 //!
 //! An int3 is fatal without a tracer (SIGTRAP). In attach mode with jump
-//! probes, mapping calls (mmap, munmap, ...) are not hooked, since they
-//! would need int3s, and the dynamic linker's `_dl_debug_state` is hooked by
-//! a jump to a gate that traps only while memptrace is alive. Where an int3
-//! stays anyway (int3 probes, a function too short for a jump), the attach
-//! says so on stderr and in `meta` (`on_memptrace_death`).
+//! probes, mapping calls (mmap, munmap, ...) get jump probes too, recorded
+//! into the rings like allocator calls (a mapping function too short for a
+//! jump is not hooked at all, and `meta` says so), and the dynamic linker's
+//! `_dl_debug_state` is hooked by a jump to a gate that traps only while
+//! memptrace is alive. Where an int3 stays anyway (int3 probes, an
+//! allocator function too short for a jump), the attach says so on stderr
+//! and in `meta` (`on_memptrace_death`).
 
 use std::time::Duration;
 

@@ -2,15 +2,20 @@
 //! caught by int3 probes whatever `--probes` says (a program makes few of
 //! them, and they take up to six arguments), entered through the slot's call
 //! stub so that their result is seen, and recorded with their stack as
-//! allocator calls are. Only a thread's outermost mapping call is recorded
+//! allocator calls are; but in an attach with jump probes, where an int3
+//! would kill the process if memptrace died, by jump probes that record
+//! them into the rings (see `probes::jump::code`), booked here. Only a thread's outermost mapping call is recorded
 //! (glibc's sbrk calls brk). Whether the allocator made the call (arena
 //! growth, a large block) is told by the pipeline, from the stack.
 
+use super::probes::jump::control::Record;
+use super::probes::jump::layout::record;
 use super::process::PendingMap;
 use super::{TraceError, Tracer};
 use crate::event::{MapEvent, MapOp};
 use crate::os::ptrace::{Regs, Tid};
-use crate::unwind::pipeline::{RawMap, TraceMsg};
+use crate::unwind::WalkEnd;
+use crate::unwind::pipeline::{CallStack, RawMap, TraceMsg};
 
 impl Tracer {
     /// The entry of a mapping function: take its arguments and stack, and
@@ -57,6 +62,43 @@ impl Tracer {
             .as_ref()
             .is_some_and(|m| m.entry_sp.wrapping_sub(8) == rsp);
         if ours { thread.in_map.take() } else { None }
+    }
+
+    /// Book a mapping call a jump probe recorded (attach), with its
+    /// `frames`, made at `ts_ns`, as [`Tracer::record_map`] does one an
+    /// int3 probe caught.
+    pub(super) fn book_map(&mut self, pid: Tid, r: &Record, op: MapOp, frames: &[u64], ts_ns: u64) {
+        self.next_map_id += 1;
+        let event = MapEvent {
+            id: self.next_map_id,
+            ts_ns,
+            pid: pid as u32,
+            tid: r.tid as u32,
+            op,
+            args: r.args,
+            result: r.ret,
+            stack_id: None,
+            by_allocator: None,
+        };
+        let end = if r.flags & record::TRUNCATED != 0 {
+            WalkEnd::Failed
+        } else {
+            WalkEnd::Outermost
+        };
+        // Without the allocator probes' return paths the walk went through
+        // (see `space::retpaths`): the program's frames.
+        let space = self
+            .family
+            .processes
+            .get(&pid)
+            .and_then(|p| p.space.as_ref());
+        let ips = frames
+            .iter()
+            .copied()
+            .filter(|&ip| !space.is_some_and(|s| s.in_areas(ip)))
+            .collect();
+        let stack = CallStack::Unwound { ips, end };
+        self.send(TraceMsg::Map(Box::new(RawMap { event, stack })));
     }
 
     /// Send a mapping call that returned `result` down the pipeline.

@@ -19,7 +19,7 @@ use super::Tracer;
 use super::ledger::CallFacts;
 use super::probes::jump::control::{Damaged, Pulled, Record};
 use super::probes::jump::decode;
-use super::probes::jump::layout::record;
+use super::probes::jump::layout::{Called, record};
 use crate::os::local;
 use crate::os::ptrace::Tid;
 use crate::unwind::WalkEnd;
@@ -139,11 +139,7 @@ impl Tracer {
         let (Some(control), probes) = (jumps.control.as_mut(), &jumps.probes) else {
             return 0;
         };
-        let probe = |id: u16, op| {
-            probes
-                .get(usize::from(id))
-                .is_some_and(|p| p.ops.first() == Some(&op))
-        };
+        let probe = |id: u16, what| probes.get(usize::from(id)).is_some_and(|p| p.records(what));
         let merge = &mut process.merge;
         let mut pulled = std::mem::take(&mut merge.spare);
         pulled.extend_from(&merge.held, &merge.held.records);
@@ -222,13 +218,8 @@ impl Tracer {
             return;
         };
         let module_id = info.module_id;
+        let ops = (info.ops.len() > 1).then(|| info.ops.clone());
         let caller = frames.first().copied().unwrap_or(0);
-        let op = if info.ops.len() > 1 {
-            let ops = info.ops.clone();
-            self.alias(pid, &ops, caller)
-        } else {
-            r.op
-        };
         let ts_ns = match self.tsc.as_mut() {
             Some(clock) => match clock.ns_within(r.tsc, now_ns) {
                 Some(ns) => ns,
@@ -246,11 +237,16 @@ impl Tracer {
             },
             None => now_ns,
         };
+        let op = match (r.what, ops) {
+            (Called::Map(op), _) => return self.book_map(pid, r, op, frames, ts_ns),
+            (Called::Alloc(_), Some(ops)) => self.alias(pid, &ops, caller),
+            (Called::Alloc(op), None) => op,
+        };
         let facts = CallFacts {
             pid: pid as u32,
             tid: r.tid as u32,
             ts_ns,
-            args: r.args,
+            args: [r.args[0], r.args[1], r.args[2]],
             ret: r.ret,
             stored_ptr: r.stored,
         };

@@ -114,10 +114,10 @@ fn mapping_calls_of_a_forked_child() {
 }
 
 /// Attached to a running process before it makes any of its mapping calls:
-/// with int3 probes every one of them is recorded, the allocator's told
-/// apart, on every build. With jump probes none is: mapping calls are caught
-/// by int3s, which would kill the process if memptrace died (see README,
-/// "memptrace's death"), so an attach with jump probes does not hook them.
+/// every one of them is recorded, the allocator's told apart, on every
+/// build, in both probe modes. With jump probes (attach) mapping functions
+/// get jump probes too, as `meta` says: no int3 that memptrace's death
+/// would make fatal (see README, "memptrace's death").
 #[test]
 fn mapping_calls_while_attached() {
     for variant in VARIANTS {
@@ -140,10 +140,128 @@ fn mapping_calls_while_attached() {
         assert_eq!(out.code(), 0, "{variant:?}: {}", out.stderr);
         let mut t = open_trace(&db, out);
         t.run.stdout = end.stdout;
-        if probes() == "int3" {
-            check(&t, variant);
-        } else {
-            assert_eq!(t.int("SELECT count(*) FROM map_events"), 0, "{variant:?}");
+        check(&t, variant);
+        // The allocator's mmap calls have the whole stack, through malloc
+        // (and, with jump probes, through malloc's probe) to the program;
+        // not with musl, whose malloc has no unwind tables (in both modes).
+        let through: i64 = t.int(
+            "SELECT count(*) FROM map_events m JOIN stack_text s ON s.stack_id = m.stack_id
+             WHERE m.op = 'mmap' AND m.by_allocator = 'malloc' AND m.len >= 1048576
+             AND s.text LIKE '%big_alloc%'",
+        );
+        let want = if variant == Variant::Musl { 0 } else { 8 };
+        assert_eq!(through, want, "{variant:?}");
+        if probes() == "jump" {
+            assert_eq!(
+                t.meta("on_memptrace_death").as_deref(),
+                Some("runs on: the probes let calls through unrecorded"),
+                "{variant:?}"
+            );
+            let hows = mapping_probes(&t);
+            assert!(!hows.is_empty(), "{variant:?}");
+            for (key, how) in hows {
+                assert_eq!(how, "jump", "{variant:?}: {key}");
+            }
         }
+    }
+}
+
+/// The `meta` rows saying how each mapping function was hooked.
+fn mapping_probes(t: &Trace) -> Vec<(String, String)> {
+    let mut stmt =
+        t.db.prepare(
+            "SELECT key, value FROM meta WHERE key LIKE 'probe.%' AND (key LIKE '%:mmap'
+             OR key LIKE '%:munmap' OR key LIKE '%:mremap' OR key LIKE '%:brk'
+             OR key LIKE '%:sbrk' OR key LIKE '%:madvise' OR key LIKE '%:mprotect')",
+        )
+        .unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// The runs of bytes of the program's code (every file-backed executable
+/// mapping of process `pid`) that differ from its file: each run's address
+/// and bytes in memory.
+fn patched_text(pid: i32) -> Vec<(u64, Vec<u8>)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut runs = Vec::new();
+    for line in maps.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() < 6 || w[1] != "r-xp" || !w[5].starts_with('/') {
+            continue;
+        }
+        let (start, end) = w[0].split_once('-').unwrap();
+        let start = u64::from_str_radix(start, 16).unwrap();
+        let end = u64::from_str_radix(end, 16).unwrap();
+        let offset = u64::from_str_radix(w[2], 16).unwrap();
+        let file = std::fs::read(w[5]).unwrap();
+        let mut here = vec![0u8; (end - start) as usize];
+        mem.seek(SeekFrom::Start(start)).unwrap();
+        mem.read_exact(&mut here).unwrap();
+        let there = &file[offset as usize..];
+        let mut run: Option<(u64, Vec<u8>)> = None;
+        for (i, &b) in here.iter().enumerate() {
+            // Past the file's end the mapping is zeros, as in memory.
+            let want = there.get(i).copied().unwrap_or(0);
+            match (&mut run, b != want) {
+                (Some((_, bytes)), true) => bytes.push(b),
+                (None, true) => run = Some((start + i as u64, vec![b])),
+                (_, false) => runs.extend(run.take()),
+            }
+        }
+        runs.extend(run);
+    }
+    runs
+}
+
+/// While attached with jump probes, the program's code holds jumps and no
+/// int3 (a lone 0xcc where the file has another byte): memptrace's death
+/// would harm nothing. After the detach its code is its file's again, byte
+/// for byte, and no trampoline page is left; the program then makes its
+/// mapping calls untraced and exits as it should.
+#[test]
+fn attach_leaves_no_int3_and_detach_restores_the_code() {
+    for variant in VARIANTS {
+        let mut target =
+            Background::interactive(Command::new(tracee(variant, "mapping")).arg("wait"));
+        let pid: i32 = target.wait_for("ready").parse().unwrap();
+        let db = scratch("mapping-text").join("trace.db");
+        let tracer = Background::start(
+            memptrace()
+                .args(["attach", &pid.to_string(), "-o"])
+                .arg(&db),
+        );
+        wait_until("memptrace hooked the process", || {
+            !trampoline_pages(pid).is_empty()
+        });
+        wait_until("memptrace patched the process's code", || {
+            !patched_text(pid).is_empty()
+        });
+        let patched = patched_text(pid);
+        let int3s: Vec<u64> = patched
+            .iter()
+            .filter(|(_, bytes)| bytes == &[0xcc])
+            .map(|&(at, _)| at)
+            .collect();
+        if probes() == "jump" {
+            assert_eq!(int3s, Vec::<u64>::new(), "{variant:?}: {patched:x?}");
+        } else {
+            assert!(!int3s.is_empty(), "{variant:?}");
+        }
+        tracer.signal(libc::SIGINT);
+        let out = tracer.finish();
+        assert_eq!(out.code(), 0, "{variant:?}: {}", out.stderr);
+        assert_eq!(patched_text(pid), Vec::new(), "{variant:?}");
+        assert_eq!(trampoline_pages(pid), Vec::<String>::new(), "{variant:?}");
+        target.send("go\n");
+        let end = target.finish();
+        assert_eq!(end.code(), 0, "{variant:?}: {}", end.stderr);
+        assert_eq!(stated(&end.stdout).len(), 6, "{variant:?}: {}", end.stdout);
+        let t = open_trace(&db, out);
+        assert_eq!(t.int("SELECT count(*) FROM map_events"), 0, "{variant:?}");
     }
 }

@@ -69,7 +69,7 @@ impl Space {
             self.plant_int3(tid, &module, &maps, hook.addr, hook.kind.clone(), signals)?;
             planted.push(Planted {
                 module: module.path.clone(),
-                ops: ops.clone(),
+                ops: ops.iter().map(|op| op.name()).collect(),
                 how: format!("int3: {why}"),
             });
         }
@@ -94,6 +94,7 @@ impl Space {
         let mut control = Control::create(self.pid, tid, via, name, Some(parent.remote), signals)
             .map_err(|e| crate::error::with_causes(&e))?;
         control.copy_tables_from(parent);
+        control.maps = parent.maps;
         self.install_control(control);
         Ok(())
     }

@@ -13,6 +13,7 @@ pub mod buffers;
 mod control;
 mod gate;
 pub mod images;
+mod retpaths;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
@@ -23,10 +24,11 @@ use super::inject;
 use super::probes::int3::{self, DISPLACED, INT3, SLOT_SIZE};
 use super::probes::jump::code::{self as probe_code, ProbeSpec};
 use super::probes::jump::control::Control;
-use super::probes::jump::{layout, plan};
+use super::probes::jump::layout::{self, Called};
+use super::probes::jump::plan;
 use super::probes::{Hook, HookKind, Hooks, Probe};
 use crate::addr::Svma;
-use crate::event::Op;
+use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::mem::CodeWriter;
 use crate::os::procfs::{self, Mapping};
@@ -84,15 +86,30 @@ pub struct Jumps {
 #[derive(Clone, Debug)]
 pub struct ProbeInfo {
     pub module_id: u64,
-    /// The names sharing the function's address (see `callsite`).
+    /// The names sharing the function's address (see `callsite`); none for
+    /// a mapping function.
     pub ops: Vec<Op>,
+    /// The mapping function, for a mapping function's probe.
+    pub map: Option<MapOp>,
 }
 
-/// How one allocator function was hooked, for the trace's `meta`.
+impl ProbeInfo {
+    /// Whether the probe records calls of `what`.
+    pub fn records(&self, what: Called) -> bool {
+        match what {
+            Called::Alloc(op) => self.map.is_none() && self.ops.first() == Some(&op),
+            Called::Map(op) => self.map == Some(op),
+        }
+    }
+}
+
+/// How one allocator (or, attached with jump probes, mapping) function was
+/// hooked, for the trace's `meta`.
 #[derive(Clone, Debug)]
 pub struct Planted {
     pub module: String,
-    pub ops: Vec<Op>,
+    /// Its names.
+    pub ops: Vec<&'static str>,
     /// `jump`, or `int3` and why.
     pub how: String,
 }
@@ -137,6 +154,9 @@ pub struct Space {
     /// The stub injected system calls go through, once a trampoline area
     /// holds it (see [`inject::stub`]): its address and its save area's.
     stub: Option<(u64, u64)>,
+    /// Rows of return paths published for each trampoline area (see
+    /// [`retpaths`]), by its start.
+    return_rows: HashMap<u64, usize>,
 }
 
 impl Space {
@@ -173,6 +193,7 @@ impl Space {
             fallback: None,
             refused: None,
             stub: None,
+            return_rows: HashMap::new(),
         })
     }
 
@@ -242,6 +263,7 @@ impl Space {
             refused: None,
             // In the child's copy of the trampoline areas.
             stub: self.stub,
+            return_rows: HashMap::new(),
         })
     }
 
@@ -416,14 +438,22 @@ impl Space {
                 continue;
             }
             match kind {
-                HookKind::Mapping { .. } if fail_open => {}
-                HookKind::DebugState
-                    if fail_open && self.plant_gate(tid, module, maps, addr, signals)? => {}
-                HookKind::Allocator { ops, .. } if jumps => {
-                    let how = self.plant_jump(tid, module, maps, addr, ops.clone(), signals)?;
+                HookKind::Mapping { op } if fail_open => {
+                    let how = self.plant_jump(tid, module, maps, addr, kind, signals)?;
                     changes.planted.push(Planted {
                         module: module.path.clone(),
-                        ops,
+                        ops: vec![op.name()],
+                        how,
+                    });
+                }
+                HookKind::DebugState
+                    if fail_open && self.plant_gate(tid, module, maps, addr, signals)? => {}
+                HookKind::Allocator { ref ops, .. } if jumps => {
+                    let names = ops.iter().map(|op| op.name()).collect();
+                    let how = self.plant_jump(tid, module, maps, addr, kind, signals)?;
+                    changes.planted.push(Planted {
+                        module: module.path.clone(),
+                        ops: names,
                         how,
                     });
                 }
@@ -434,7 +464,7 @@ impl Space {
                     };
                     changes.planted.push(Planted {
                         module: module.path.clone(),
-                        ops: ops.clone(),
+                        ops: ops.iter().map(|op| op.name()).collect(),
                         how,
                     });
                     self.plant_int3(tid, module, maps, addr, kind, signals)?;
@@ -444,21 +474,30 @@ impl Space {
                 }
             }
         }
+        if fail_open {
+            self.publish_return_paths();
+        }
         Ok(())
     }
 
-    /// A jump probe on the allocator function at `addr`: a jump to it where
-    /// that is safe, else an int3 that memptrace turns into the same. Says
-    /// which.
+    /// A jump probe on the allocator function at `addr` (`kind`): a jump to
+    /// it where that is safe, else an int3 that memptrace turns into the
+    /// same. On a mapping function (attach only, see `tracer::failopen`),
+    /// a jump or nothing: its calls are then not recorded. Says which.
     fn plant_jump(
         &mut self,
         tid: Tid,
         module: &LoadedModule,
         maps: &[Mapping],
         addr: u64,
-        ops: Vec<Op>,
+        kind: HookKind,
         signals: &mut Vec<i32>,
     ) -> Result<String, SpaceError> {
+        let (what, ops, map) = match &kind {
+            HookKind::Allocator { ops, .. } => (Called::Alloc(ops[0]), ops.clone(), None),
+            HookKind::Mapping { op } => (Called::Map(*op), Vec::new(), Some(*op)),
+            HookKind::DebugState => return Ok("none".into()),
+        };
         const SCAN: u64 = 512;
         let mut code = vec![0u8; SCAN.min(module.range.end.saturating_sub(addr)) as usize];
         let n = self.mem.read(addr, &mut code)?;
@@ -469,11 +508,16 @@ impl Space {
             return Ok("none: the entry is an int3 already".into());
         }
         let plan = plan::plan(&code, addr);
+        if let (Some(_), Some(why)) = (map, &plan.int3) {
+            return Ok(format!(
+                "none: {why} (an int3 would kill the process if memptrace died; its calls are not recorded)"
+            ));
+        }
         let jump = self.jump.as_ref().expect("jump probes");
         let control = jump.control.as_ref().expect("a control area");
         let spec = ProbeSpec {
             id: jump.probes.len() as u16,
-            op: ops[0],
+            what,
             control: control.remote,
             displaced: plan.displaced.clone(),
             resume: plan.resume,
@@ -505,16 +549,19 @@ impl Space {
                 code: probe,
                 via_int3: !plan.is_jump(),
             },
-            kind: HookKind::Allocator {
-                module_id: module.id,
-                ops: ops.clone(),
-            },
+            kind,
         };
         self.hooks.plant(&self.mem, hook)?;
         let jump = self.jump.as_mut().expect("jump probes");
+        if map.is_some() {
+            if let Some(control) = jump.control.as_mut() {
+                control.maps = true;
+            }
+        }
         jump.probes.push(ProbeInfo {
             module_id: module.id,
             ops,
+            map,
         });
         Ok(match plan.int3 {
             None => "jump".into(),

@@ -33,18 +33,24 @@
 //! word the `lea` skips holds the slot's address for the return path.
 //!
 //! Registers (System V ABI): at a function's entry rdi, rsi and rdx carry
-//! the arguments (none of these functions takes more than three, nor any
+//! the arguments (no allocator function takes more than three, nor any
 //! on the stack), and rax, rcx, r8-r11 carry nothing the function may use;
 //! at its return, rax carries the result and every register but rax, rdx
 //! and the callee-saved ones is dead. The probe keeps to that: it saves the
 //! callee-saved registers it uses and puts the arguments back before the
-//! function runs, and it keeps rax and rdx on the way back.
+//! function runs, and it keeps rax and rdx on the way back. A mapping
+//! function (mmap, munmap, ..., attach only) takes up to six, in rcx, r8
+//! and r9 too: its probe leaves them alone until it keeps them in the
+//! slot with the others, and it uses a slot of its own (see
+//! [`layout::MAP_KEY`]), so that a mapping call made inside an allocator
+//! call is recorded.
 
 use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Instruction};
 
-use super::layout::{self, dir, record, rule, slot};
-use super::liveness::if_gone;
+use super::labels::{Labels, arg_regs};
+use super::layout::{self, Called, dir, record, rule, slot};
+use super::liveness::if_gone_keeping;
 use crate::event::Op;
 use crate::os::sentinel::TID_MASK;
 
@@ -53,7 +59,7 @@ use crate::os::sentinel::TID_MASK;
 pub struct ProbeSpec {
     /// The probe's number in its space, written into each record.
     pub id: u16,
-    pub op: Op,
+    pub what: Called,
     /// The control area's address in the target.
     pub control: u64,
     /// The instructions the probe's entry displaces (decoded at their
@@ -97,7 +103,10 @@ pub struct AsmError(#[from] IcedError);
 pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     let mut a = CodeAssembler::new(64)?;
     let mut l = Labels::new(&mut a);
-    let returns = spec.op.allocates();
+    let returns = spec.what.returns();
+    // A mapping call's: rcx, r8 and r9 carry arguments (see `keep`).
+    let map = matches!(spec.what, Called::Map(_));
+    let frames_at = spec.what.frames_at() as i32;
 
     // 0. memptrace is gone (see `liveness`): straight on, unrecorded.
     a.set_label(&mut l.entry)?;
@@ -111,6 +120,9 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
         a.mov(rax, qword_ptr(0u64).fs())?;
     }
     a.inc(rax)?;
+    if map {
+        a.bts(rax, 63)?; // layout::MAP_KEY
+    }
     a.mov(r11, layout::HASH)?;
     a.imul_2(r11, rax)?;
     a.shr(r11, 64 - layout::SLOT_BITS)?;
@@ -125,41 +137,40 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
         }
     }
     // No slot: memptrace gives it one at the int3, if memptrace is there.
-    if_gone(&mut a, spec.control, l.let_through)?;
+    if_gone_keeping(&mut a, spec.control, l.let_through, map)?;
     a.set_label(&mut l.miss)?;
     a.int3()?;
     a.jmp(l.entry)?;
 
     // 2. Busy, paused, nested.
     a.set_label(&mut l.found)?;
-    a.mov(rcx, qword_ptr(r10 + slot::BUSY as i32))?;
-    a.test(rcx, rcx)?;
+    a.mov(r11, qword_ptr(r10 + slot::BUSY as i32))?;
+    a.test(r11, r11)?;
     a.jz(l.claim)?;
-    a.cmp(rsp, rcx)?;
+    a.cmp(rsp, r11)?;
     a.jb(l.skip_nested)?;
     a.set_label(&mut l.claim)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
     a.test(byte_ptr(r10 + slot::FLAGS as i32), 1)?;
     a.jnz(l.release)?;
-    a.mov(rcx, qword_ptr(r10 + slot::PENDING_SP as i32))?;
-    a.test(rcx, rcx)?;
+    a.mov(r11, qword_ptr(r10 + slot::PENDING_SP as i32))?;
+    a.test(r11, r11)?;
     a.jz(l.outermost)?;
-    a.cmp(rsp, rcx)?;
+    a.cmp(rsp, r11)?;
     a.jb(l.release_nested)?;
     a.inc(qword_ptr(r10 + slot::ABANDONED as i32))?;
     a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), 0)?;
     a.set_label(&mut l.outermost)?;
 
     // 3. Room in the ring, or wait.
-    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.mov(r9, r8)?;
-    a.sub(r9, qword_ptr(r10 + slot::TAIL as i32))?;
-    a.cmp(r9, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
+    a.mov(rax, qword_ptr(r10 + slot::HEAD as i32))?;
+    a.sub(rax, qword_ptr(r10 + slot::TAIL as i32))?;
+    a.cmp(rax, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
     a.ja(l.wait_room)?;
-    a.mov(qword_ptr(r10 + slot::ARG0 as i32), rdi)?;
-    a.mov(qword_ptr(r10 + slot::ARG1 as i32), rsi)?;
-    a.mov(qword_ptr(r10 + slot::ARG2 as i32), rdx)?;
-    a.mov(r11, r8)?;
+    for &(reg, field) in arg_regs(map) {
+        a.mov(qword_ptr(r10 + field as i32), reg)?;
+    }
+    a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
     a.and(r11, (layout::RING_SIZE - 1) as i32)?;
     a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
 
@@ -173,7 +184,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.mov(r12, qword_ptr(rsp + SAVED))?;
     a.lea(r13, qword_ptr(rsp + SAVED + 8))?;
     a.mov(r14, rbp)?; // the caller's: the function has not run yet
-    a.lea(r15, qword_ptr(r11 + record::FRAMES as i32))?;
+    a.lea(r15, qword_ptr(r11 + frames_at))?;
     a.mov(ebx, spec.max_frames.clamp(1, layout::MAX_FRAMES) as u32)?;
     a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
     a.xor(ebp, ebp)?;
@@ -344,7 +355,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // rax: frames, rcx: flags.
     a.mov(rax, r15)?;
     a.sub(rax, r11)?;
-    a.sub(rax, record::FRAMES as i32)?;
+    a.sub(rax, frames_at)?;
     a.shr(rax, 3)?;
     a.mov(ecx, ebp)?;
     for reg in [r15, r14, r13, r12, rbp, rbx] {
@@ -357,9 +368,9 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // 5. Record now (free), or call the function and record its result.
     if returns {
         a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), rsp)?;
-        a.mov(rdi, qword_ptr(r10 + slot::ARG0 as i32))?;
-        a.mov(rsi, qword_ptr(r10 + slot::ARG1 as i32))?;
-        a.mov(rdx, qword_ptr(r10 + slot::ARG2 as i32))?;
+        for &(reg, field) in arg_regs(map) {
+            a.mov(reg, qword_ptr(r10 + field as i32))?;
+        }
         a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
         a.lea(rsp, qword_ptr(rsp - 8))?;
         a.mov(qword_ptr(rsp), r10)?;
@@ -381,7 +392,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
         a.and(r11, (layout::RING_SIZE - 1) as i32)?;
         a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
         a.mov(qword_ptr(r11 + record::RET as i32), rax)?;
-        if spec.op == Op::PosixMemalign {
+        if spec.what == Called::Alloc(Op::PosixMemalign) {
             // The block, stored through the first argument when it succeeded.
             a.mov(qword_ptr(r11 + record::STORED as i32), 0)?;
             a.test(eax, eax)?;
@@ -427,7 +438,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // start over.
     a.set_label(&mut l.wait_room)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-    if_gone(&mut a, spec.control, l.let_through)?;
+    if_gone_keeping(&mut a, spec.control, l.let_through, map)?;
     a.inc(qword_ptr(r10 + slot::WAITS as i32))?;
     // Say so, then look at the tail again: memptrace stores the tail, then
     // reads WAITING; the thread stores WAITING, then reads the tail. With a
@@ -435,16 +446,18 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     // store: either memptrace wakes the thread, or the thread sees the room.
     a.mov(eax, 1)?;
     a.xchg(qword_ptr(r10 + slot::WAITING as i32), rax)?;
-    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.sub(r8, qword_ptr(r10 + slot::TAIL as i32))?;
-    a.cmp(r8, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
+    a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
+    a.sub(r11, qword_ptr(r10 + slot::TAIL as i32))?;
+    a.cmp(r11, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
     a.ja(l.sleep)?;
     a.mov(qword_ptr(r10 + slot::WAITING as i32), 0)?;
     a.jmp(l.entry)?;
     a.set_label(&mut l.sleep)?;
-    a.push(rdi)?;
-    a.push(rsi)?;
-    a.push(rdx)?;
+    let kept = [rdi, rsi, rdx, rcx, r8, r9];
+    let kept = if map { &kept[..] } else { &kept[..3] };
+    for &reg in kept {
+        a.push(reg)?;
+    }
     // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD),
     // unless told not to (`NO_WAKE`: a seccomp filter could kill the
     // program for it; memptrace finds the full ring by polling)...
@@ -470,9 +483,9 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.xor(r8d, r8d)?;
     a.xor(r9d, r9d)?;
     a.syscall()?;
-    a.pop(rdx)?;
-    a.pop(rsi)?;
-    a.pop(rdi)?;
+    for &reg in kept.iter().rev() {
+        a.pop(reg)?;
+    }
     a.jmp(l.entry)?;
 
     // memptrace is gone: the call goes on unrecorded (counted, for a
@@ -533,18 +546,25 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     a.shl(rdx, 32)?;
     a.or(rax, rdx)?;
     a.mov(qword_ptr(r11 + record::TSC as i32), rax)?;
-    for (from, to) in [
+    let map = [
+        (slot::ARG3, record::ARG3),
+        (slot::ARG4, record::ARG4),
+        (slot::ARG5, record::ARG5),
+    ];
+    let args = [
         (slot::ARG0, record::ARG0),
         (slot::ARG1, record::ARG1),
         (slot::ARG2, record::ARG2),
-    ] {
+    ];
+    let six = matches!(spec.what, Called::Map(_));
+    for &(from, to) in args.iter().chain(if six { &map[..] } else { &[] }) {
         a.mov(rcx, qword_ptr(r10 + from as i32))?;
         a.mov(qword_ptr(r11 + to as i32), rcx)?;
     }
     // Header: size | frames << 16 | flags << 32 | op << 40 | probe << 48.
     a.mov(rcx, qword_ptr(r10 + slot::PENDING_FRAMES as i32))?;
     a.movzx(edi, cx)?;
-    a.lea(rdx, qword_ptr(rdi * 8 + record::FRAMES as i32))?;
+    a.lea(rdx, qword_ptr(rdi * 8 + spec.what.frames_at() as i32))?;
     a.add(r8, rdx)?; // the head past this record
     a.shl(rdi, 16)?;
     a.or(rdi, rdx)?;
@@ -552,7 +572,10 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     a.and(ecx, 0xff)?;
     a.shl(rcx, 32)?;
     a.or(rdi, rcx)?;
-    a.mov(rax, ((spec.op as u64) << 40) | (u64::from(spec.id) << 48))?;
+    a.mov(
+        rax,
+        (u64::from(spec.what.code()) << 40) | (u64::from(spec.id) << 48),
+    )?;
     a.or(rdi, rax)?;
     a.mov(qword_ptr(r11 + record::HEAD as i32), rdi)?;
     a.mov(rax, spec.control + layout::SEQ)?;
@@ -573,87 +596,4 @@ fn cache_entry(a: &mut CodeAssembler, reg: AsmRegister64) -> Result<(), IcedErro
     a.shl(reg, 4)?;
     a.add(reg, qword_ptr(r10 + slot::CACHE as i32))?;
     Ok(())
-}
-
-/// The labels of a probe.
-struct Labels {
-    entry: CodeLabel,
-    miss: CodeLabel,
-    found: CodeLabel,
-    claim: CodeLabel,
-    outermost: CodeLabel,
-    only_caller: CodeLabel,
-    frame: CodeLabel,
-    dir_loop: CodeLabel,
-    dir_left: CodeLabel,
-    dir_end: CodeLabel,
-    key_loop: CodeLabel,
-    key_left: CodeLabel,
-    key_end: CodeLabel,
-    keep_bp: CodeLabel,
-    frame_pointer: CodeLabel,
-    cache_ok: CodeLabel,
-    lookup: CodeLabel,
-    found_rule: CodeLabel,
-    have_rule: CodeLabel,
-    truncated: CodeLabel,
-    full: CodeLabel,
-    walked: CodeLabel,
-    ret_path: CodeLabel,
-    ret_claim: CodeLabel,
-    ret_release: CodeLabel,
-    ret_out: CodeLabel,
-    stored: CodeLabel,
-    release_nested: CodeLabel,
-    release: CodeLabel,
-    skip_nested: CodeLabel,
-    wait_room: CodeLabel,
-    sleep: CodeLabel,
-    let_through: CodeLabel,
-    displaced: CodeLabel,
-    back: CodeLabel,
-    end: CodeLabel,
-}
-
-impl Labels {
-    fn new(a: &mut CodeAssembler) -> Labels {
-        Labels {
-            entry: a.create_label(),
-            miss: a.create_label(),
-            found: a.create_label(),
-            claim: a.create_label(),
-            outermost: a.create_label(),
-            only_caller: a.create_label(),
-            frame: a.create_label(),
-            dir_loop: a.create_label(),
-            dir_left: a.create_label(),
-            dir_end: a.create_label(),
-            key_loop: a.create_label(),
-            key_left: a.create_label(),
-            key_end: a.create_label(),
-            keep_bp: a.create_label(),
-            frame_pointer: a.create_label(),
-            cache_ok: a.create_label(),
-            lookup: a.create_label(),
-            found_rule: a.create_label(),
-            have_rule: a.create_label(),
-            truncated: a.create_label(),
-            full: a.create_label(),
-            walked: a.create_label(),
-            ret_path: a.create_label(),
-            ret_claim: a.create_label(),
-            ret_release: a.create_label(),
-            ret_out: a.create_label(),
-            stored: a.create_label(),
-            release_nested: a.create_label(),
-            release: a.create_label(),
-            skip_nested: a.create_label(),
-            wait_room: a.create_label(),
-            sleep: a.create_label(),
-            let_through: a.create_label(),
-            displaced: a.create_label(),
-            back: a.create_label(),
-            end: a.create_label(),
-        }
-    }
 }

@@ -6,8 +6,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use super::decode;
-use super::layout::{self, dir, slot};
-use crate::event::Op;
+use super::layout::{self, Called, dir, slot};
 use crate::os::ptrace::Tid;
 use crate::os::sentinel::{Sentinel, TID_MASK};
 use crate::os::shared::SharedMemory;
@@ -57,11 +56,13 @@ pub struct Record {
     pub seq: u64,
     pub tsc: u64,
     pub tid: Tid,
-    pub op: Op,
+    pub what: Called,
     /// The probe that wrote it (its number in the space).
     pub probe: u16,
     pub flags: u8,
-    pub args: [u64; 3],
+    /// An allocator call's three arguments (then 0s), or a mapping call's
+    /// six.
+    pub args: [u64; 6],
     pub ret: u64,
     pub stored: u64,
     /// Where its return addresses (the caller first) are in the
@@ -104,6 +105,9 @@ pub struct Control {
     strikes: Vec<u32>,
     /// What the program broke in this area (see [`Damaged`]).
     pub damaged: Damaged,
+    /// Mapping functions have jump probes (attach): each thread gets a
+    /// second slot, for its mapping calls (see [`layout::MAP_KEY`]).
+    pub maps: bool,
 }
 
 /// Damage found in a control area: words the program wrote where only a
@@ -191,6 +195,7 @@ impl Control {
             waits: 0,
             strikes: vec![0; (layout::SLOTS + layout::PROBES) as usize],
             damaged: Damaged::default(),
+            maps: false,
         };
         control.mem.store(layout::MAGIC, layout::MAGIC_VALUE);
         control.mem.store(layout::WAIT_TIMESPEC + 8, 1_000_000);
@@ -321,11 +326,19 @@ impl Control {
     }
 
     /// Give thread `tid` (thread pointer `tp`, stack mapping `stack`) a
-    /// slot where its probes find it; `None` when every slot it could use
-    /// is taken.
+    /// slot where its probes find it, and one for its mapping calls when
+    /// they have probes; `None` when every slot it could use is taken. A
+    /// slot it has already is left as it is (a call may be in progress).
     pub fn register(&mut self, tid: Tid, tp: u64, stack: Range<u64>) -> Option<usize> {
-        let key = layout::key_of(tp);
-        let home = layout::home_slot(tp) as usize;
+        let calls = self.register_key(tid, layout::key_of(tp), stack.clone());
+        if self.maps {
+            self.register_key(tid, layout::map_key_of(tp), stack)?;
+        }
+        calls
+    }
+
+    fn register_key(&mut self, tid: Tid, key: u64, stack: Range<u64>) -> Option<usize> {
+        let home = layout::home_of_key(key) as usize;
         let i = (home..home + layout::PROBES as usize).find(|&i| {
             self.owners[i].is_none() || self.mem.load(Self::slot_at(i, slot::KEY)) == key
         })?;
@@ -333,6 +346,7 @@ impl Control {
             if old != tid {
                 return None;
             }
+            return Some(i);
         }
         let field = |f: u64| Self::slot_at(i, f);
         self.mem.store(field(slot::KEY), 0);
@@ -451,7 +465,7 @@ impl Control {
         &mut self,
         i: usize,
         tid: Tid,
-        probe: &dyn Fn(u16, Op) -> bool,
+        probe: &dyn Fn(u16, Called) -> bool,
         out: &mut Pulled,
     ) -> usize {
         let head = self.mem.load(Self::slot_at(i, slot::HEAD));

@@ -11,8 +11,7 @@
 //! resynchronised: what was behind the bad record is lost, and counted).
 
 use super::control::{Pulled, Record};
-use super::layout::{self, record};
-use crate::event::Op;
+use super::layout::{self, Called, record};
 use crate::os::ptrace::Tid;
 
 /// What was wrong with a ring or a record.
@@ -80,7 +79,7 @@ pub struct Header {
     pub size: u64,
     pub frames: u64,
     pub flags: u8,
-    pub op: Op,
+    pub what: Called,
     pub probe: u16,
 }
 
@@ -92,15 +91,15 @@ impl Header {
         self.size
             | self.frames << 16
             | u64::from(self.flags) << 32
-            | (self.op as u64) << 40
+            | u64::from(self.what.code()) << 40
             | u64::from(self.probe) << 48
     }
 }
 
 /// What a reading of one ring may accept.
 pub struct Checks<'a> {
-    /// Whether probe `id` of the space records op `op`.
-    pub probe: &'a dyn Fn(u16, Op) -> bool,
+    /// Whether probe `id` of the space records calls of `what`.
+    pub probe: &'a dyn Fn(u16, Called) -> bool,
     /// The space's sequence counter, read after the head: every committed
     /// record's number is below it.
     pub seq_limit: u64,
@@ -113,30 +112,24 @@ pub fn decode_header(word: u64, checks: &Checks) -> Result<Header, Damage> {
     let flags = (word >> 32) as u8;
     let code = (word >> 40) as u8;
     let probe = (word >> 48) as u16;
+    let what = Called::of_code(code).ok_or(Damage::Op(code))?;
     // The probe writes exactly a header and its frames.
-    if frames > layout::MAX_FRAMES || size != layout::RECORD_HEADER + 8 * frames {
+    if frames > layout::MAX_FRAMES || size != what.frames_at() + 8 * frames {
         return Err(Damage::Size { size, frames });
     }
-    let op = recorded_op(code).ok_or(Damage::Op(code))?;
     if flags & !(record::TRUNCATED | record::FULL) != 0 {
         return Err(Damage::Flags(flags));
     }
-    if !(checks.probe)(probe, op) {
+    if !(checks.probe)(probe, what) {
         return Err(Damage::Probe(probe));
     }
     Ok(Header {
         size,
         frames,
         flags,
-        op,
+        what,
         probe,
     })
-}
-
-/// The op of code `code` if a probe can record it: an allocator function,
-/// never an `inventory` row (which only the heap walk makes).
-pub fn recorded_op(code: u8) -> Option<Op> {
-    Op::ALL.get(usize::from(code)).copied()
 }
 
 /// The bytes between `tail` and `head`, if they fit a ring.
@@ -207,17 +200,13 @@ fn read_record<R: RingBytes + ?Sized>(
     out: &mut Pulled,
 ) -> Result<(u64, u64), Damage> {
     let at = tail % layout::RING_SIZE;
-    let mut bytes = [0u8; layout::RECORD_HEADER as usize];
-    if !ring.copy_at(at, &mut bytes) {
+    let mut bytes = [0u8; layout::MAP_RECORD_HEADER as usize];
+    // An allocator call's header is the shorter: the words past it are
+    // read only for a mapping call's.
+    if !ring.copy_at(at, &mut bytes[..layout::RECORD_HEADER as usize]) {
         return Err(Damage::Unreadable(at));
     }
-    let word = |f: u64| {
-        let f = f as usize;
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&bytes[f..f + 8]);
-        u64::from_le_bytes(w)
-    };
-    let header = decode_header(word(record::HEAD), checks)?;
+    let header = decode_header(word_at(&bytes, record::HEAD), checks)?;
     let left = head - tail;
     if header.size > left {
         return Err(Damage::PastHead {
@@ -225,6 +214,14 @@ fn read_record<R: RingBytes + ?Sized>(
             left,
         });
     }
+    let frames_at = header.what.frames_at();
+    if frames_at > layout::RECORD_HEADER {
+        let (from, to) = (layout::RECORD_HEADER, frames_at);
+        if !ring.copy_at(at + from, &mut bytes[from as usize..to as usize]) {
+            return Err(Damage::Unreadable(at + from));
+        }
+    }
+    let word = |f: u64| word_at(&bytes, f);
     let seq = word(record::SEQ);
     if seq >= checks.seq_limit {
         return Err(Damage::Seq {
@@ -237,48 +234,78 @@ fn read_record<R: RingBytes + ?Sized>(
     }
     let start = out.frames.len();
     out.frames.resize(start + header.frames as usize, 0);
-    if !ring.copy_words(at + record::FRAMES, &mut out.frames[start..]) {
+    if !ring.copy_words(at + frames_at, &mut out.frames[start..]) {
         out.frames.truncate(start);
-        return Err(Damage::Unreadable(at + record::FRAMES));
+        return Err(Damage::Unreadable(at + frames_at));
     }
+    let (args, stored) = match header.what {
+        Called::Alloc(_) => (
+            [
+                word(record::ARG0),
+                word(record::ARG1),
+                word(record::ARG2),
+                0,
+                0,
+                0,
+            ],
+            word(record::STORED),
+        ),
+        Called::Map(_) => (
+            [
+                word(record::ARG0),
+                word(record::ARG1),
+                word(record::ARG2),
+                word(record::ARG3),
+                word(record::ARG4),
+                word(record::ARG5),
+            ],
+            0,
+        ),
+    };
     out.records.push(Record {
         seq,
         tsc: word(record::TSC),
         tid,
-        op: header.op,
+        what: header.what,
         probe: header.probe,
         flags: header.flags,
-        args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
+        args,
         ret: word(record::RET),
-        stored: word(record::STORED),
+        stored,
         frames: start..out.frames.len(),
     });
     Ok((header.size, seq))
+}
+
+/// The little-endian word at `f` of a record's header `bytes`.
+fn word_at(bytes: &[u8; layout::MAP_RECORD_HEADER as usize], f: u64) -> u64 {
+    let f = f as usize;
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&bytes[f..f + 8]);
+    u64::from_le_bytes(w)
 }
 
 /// The bytes of `record` (with `frames`) as a probe writes them.
 #[cfg(test)]
 pub fn encode_record(r: &Record, frames: &[u64]) -> Vec<u8> {
     let header = Header {
-        size: layout::RECORD_HEADER + 8 * frames.len() as u64,
+        size: r.what.frames_at() + 8 * frames.len() as u64,
         frames: frames.len() as u64,
         flags: r.flags,
-        op: r.op,
+        what: r.what,
         probe: r.probe,
     };
     let mut bytes = Vec::with_capacity(header.size as usize);
-    for word in [
-        header.pack(),
-        r.seq,
-        r.tsc,
-        r.args[0],
-        r.args[1],
-        r.args[2],
-        r.ret,
-        r.stored,
-    ]
-    .into_iter()
-    .chain(frames.iter().copied())
+    let words = match r.what {
+        Called::Alloc(_) => vec![r.args[0], r.args[1], r.args[2], r.ret, r.stored],
+        Called::Map(_) => vec![
+            r.args[0], r.args[1], r.args[2], r.ret, r.args[3], r.args[4], r.args[5],
+        ],
+    };
+    for word in [header.pack(), r.seq, r.tsc]
+        .into_iter()
+        .chain(words)
+        .chain(frames.iter().copied())
     {
         bytes.extend(word.to_le_bytes());
     }

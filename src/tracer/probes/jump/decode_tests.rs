@@ -4,12 +4,52 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::event::{MapOp, Op};
 
 const TID: Tid = 77;
 
-/// Probes 0..4, probe `i` recording op `Op::ALL[i]`.
-fn probe(id: u16, op: Op) -> bool {
-    id < 4 && Op::ALL[usize::from(id)] == op
+/// Probes 0..7: probe `i` < 4 records op `Op::ALL[i]`, probe 4 + `i` the
+/// mapping call `MapOp::ALL[i]`.
+fn probe(id: u16, what: Called) -> bool {
+    called(id) == Some(what)
+}
+
+fn called(id: u16) -> Option<Called> {
+    match id {
+        0..4 => Some(Called::Alloc(Op::ALL[usize::from(id)])),
+        4..7 => Some(Called::Map(MapOp::ALL[usize::from(id - 4)])),
+        _ => None,
+    }
+}
+
+/// A record of probe `probe` with `args` (three used by an allocator
+/// call's) and `stored` (an allocator call's only).
+fn record_of(
+    seq: u64,
+    tsc: u64,
+    probe: u16,
+    flags: u8,
+    args: [u64; 6],
+    ret: u64,
+    stored: u64,
+) -> Record {
+    let what = called(probe).expect("a probe of the tests");
+    let (args, stored) = match what {
+        Called::Alloc(_) => ([args[0], args[1], args[2], 0, 0, 0], stored),
+        Called::Map(_) => (args, 0),
+    };
+    Record {
+        seq,
+        tsc,
+        tid: TID,
+        what,
+        probe,
+        flags,
+        args,
+        ret,
+        stored,
+        frames: 0..0,
+    }
 }
 
 fn checks() -> Checks<'static> {
@@ -24,18 +64,16 @@ fn ring() -> Vec<u8> {
 }
 
 fn record(seq: u64, probe: u16, frames: usize) -> (Record, Vec<u64>) {
-    let r = Record {
+    let args: [u64; 6] = std::array::from_fn(|i| seq.wrapping_mul(i as u64 + 1));
+    let r = record_of(
         seq,
-        tsc: seq.wrapping_add(1000),
-        tid: TID,
-        op: Op::ALL[usize::from(probe)],
+        seq.wrapping_add(1000),
         probe,
-        flags: (seq % 3) as u8 & (record::TRUNCATED | record::FULL),
-        args: [seq, seq.wrapping_mul(2), seq.wrapping_mul(3)],
-        ret: seq.wrapping_add(0x5000),
-        stored: seq ^ 0xff,
-        frames: 0..0,
-    };
+        (seq % 3) as u8 & (record::TRUNCATED | record::FULL),
+        args,
+        seq.wrapping_add(0x5000),
+        seq ^ 0xff,
+    );
     let frames = (0..frames as u64)
         .map(|f| seq.wrapping_add(0x40_0000 + 16 * f))
         .collect();
@@ -70,7 +108,7 @@ fn set_word(ring: &mut [u8], at: u64, value: u64) {
 fn well_formed_records_read_back_exactly_across_the_wrap() {
     let mut buf = ring();
     let records: Vec<_> = (0..40)
-        .map(|s| record(s, (s % 4) as u16, (s % 7) as usize))
+        .map(|s| record(s, (s % 7) as u16, (s % 5) as usize))
         .collect();
     let start = 2 * layout::RING_SIZE - 300;
     let head = write_ring(&mut buf, start, &records);
@@ -242,6 +280,74 @@ fn the_merge_screens_duplicates_and_numbers_far_ahead() {
 }
 
 #[test]
+fn a_mapping_call_has_six_arguments_and_its_own_size() {
+    let mut buf = ring();
+    let (map, frames) = record(5, 4, 3);
+    assert_eq!(map.what, Called::Map(MapOp::Mmap));
+    assert_eq!(map.args, [5, 10, 15, 20, 25, 30]);
+    let head = write_ring(&mut buf, 0, &[(map.clone(), frames.clone())]);
+    assert_eq!(head, layout::MAP_RECORD_HEADER + 24);
+    let (got, out) = read(&buf, head, 0);
+    assert_eq!((got.records, got.damage), (1, None));
+    assert_eq!(out.frames(&out.records[0]), frames.as_slice());
+    assert_eq!(out.records[0].args, map.args);
+    assert_eq!(out.records[0].ret, map.ret);
+    // A mapping op with an allocator call's size, an allocator op with a
+    // mapping call's, a mapping op past the last: refused.
+    let op = |what: Called| u64::from(what.code()) << 40;
+    for (word, damage) in [
+        (
+            (layout::RECORD_HEADER + 24) | 3 << 16 | op(map.what) | 4 << 48,
+            Damage::Size {
+                size: layout::RECORD_HEADER + 24,
+                frames: 3,
+            },
+        ),
+        (
+            (layout::MAP_RECORD_HEADER + 24) | 3 << 16 | 1 << 48,
+            Damage::Size {
+                size: layout::MAP_RECORD_HEADER + 24,
+                frames: 3,
+            },
+        ),
+        (
+            (layout::MAP_RECORD_HEADER + 24) | 3 << 16 | u64::from(record::MAP_OPS + 7) << 40,
+            Damage::Op(record::MAP_OPS + 7),
+        ),
+    ] {
+        let mut bad = buf.clone();
+        set_word(&mut bad, 0, word);
+        let (got, out) = read(&bad, head, 0);
+        assert_eq!((got.records, got.damage), (0, Some(damage)));
+        assert!(out.records.is_empty());
+    }
+    // Probe 4 records mmap, not munmap.
+    let mut bad = buf.clone();
+    set_word(
+        &mut bad,
+        0,
+        (layout::MAP_RECORD_HEADER + 24) | 3 << 16 | op(Called::Map(MapOp::Munmap)) | 4 << 48,
+    );
+    assert_eq!(read(&bad, head, 0).0.damage, Some(Damage::Probe(4)));
+}
+
+#[test]
+fn every_recorded_code_round_trips() {
+    for what in Op::ALL
+        .map(Called::Alloc)
+        .into_iter()
+        .chain(MapOp::ALL.map(Called::Map))
+    {
+        assert_eq!(Called::of_code(what.code()), Some(what));
+    }
+    assert_eq!(Called::of_code(Op::ALL.len() as u8), None);
+    assert_eq!(
+        Called::of_code(record::MAP_OPS + MapOp::ALL.len() as u8),
+        None
+    );
+}
+
+#[test]
 fn counters_beyond_a_day_of_calls_are_implausible() {
     assert_eq!(plausible_count(0), Some(0));
     assert_eq!(plausible_count(MAX_COUNT), Some(MAX_COUNT));
@@ -250,25 +356,14 @@ fn counters_beyond_a_day_of_calls_are_implausible() {
 
 fn arb_record() -> impl Strategy<Value = (Record, Vec<u64>)> {
     (
-        0u16..4,
-        any::<[u64; 6]>(),
+        0u16..7,
+        any::<[u64; 9]>(),
         0u8..4,
         proptest::collection::vec(any::<u64>(), 0..=128),
     )
         .prop_map(|(probe, w, flags, frames)| {
-            let r = Record {
-                seq: 0,
-                tsc: w[0],
-                tid: TID,
-                op: Op::ALL[usize::from(probe)],
-                probe,
-                flags,
-                args: [w[1], w[2], w[3]],
-                ret: w[4],
-                stored: w[5],
-                frames: 0..0,
-            };
-            (r, frames)
+            let args = [w[1], w[2], w[3], w[4], w[5], w[6]];
+            (record_of(0, w[0], probe, flags, args, w[7], w[8]), frames)
         })
 }
 
@@ -301,7 +396,7 @@ proptest! {
         prop_assert_eq!(read.tail, head);
         for r in &out.records {
             prop_assert!(r.seq < limit);
-            prop_assert!(probe(r.probe, r.op));
+            prop_assert!(probe(r.probe, r.what));
             prop_assert_eq!(r.tid, TID);
         }
     }

@@ -20,6 +20,8 @@
 //! and its head (a record's bytes first, then the head: x86 stores are seen
 //! in order). All offsets and sizes are in bytes.
 
+use crate::event::{MapOp, Op};
+
 /// Slots for threads at once; a thread whose hash finds no slot within
 /// [`PROBES`] of its place waits in memptrace's stop until one frees.
 pub const SLOT_BITS: u32 = 10;
@@ -114,7 +116,19 @@ pub mod slot {
     pub const CACHE_DIR: u64 = 152;
     /// Bytes of records memptrace has taken, ever (written by memptrace).
     pub const TAIL: u64 = 192;
+    /// A mapping call's fourth to sixth arguments (its probe keeps rcx, r8
+    /// and r9 for the function, which takes them).
+    pub const ARG3: u64 = 160;
+    pub const ARG4: u64 = 168;
+    pub const ARG5: u64 = 176;
 }
+
+/// Set in the key of a thread's second slot, the one its mapping calls use
+/// (attach only): a mapping call made inside an allocator call (malloc's
+/// mmap, sbrk) is recorded while the allocator call's record waits past its
+/// slot's head, so it needs a ring, a pending call and arguments of its
+/// own. A thread pointer never has bit 63 set.
+pub const MAP_KEY: u64 = 1 << 63;
 
 /// Directories: `DIR_COUNT` of them, used in turn, each a count then sorted
 /// entries.
@@ -150,10 +164,12 @@ pub const RINGS: u64 = TABLES + TABLES_SIZE;
 /// time for the tracer to wake (twice a wakeup here); at 1 MiB, 60 times,
 /// and it ran 15-25 % faster. Only the pages a thread fills are resident.
 pub const RING_SIZE: u64 = 1 << 20;
-/// The largest record: a header and [`MAX_FRAMES`] return addresses.
+/// The largest record: a mapping call's header and [`MAX_FRAMES`] return
+/// addresses.
 pub const MAX_FRAMES: u64 = 128;
 pub const RECORD_HEADER: u64 = 64;
-pub const MAX_RECORD: u64 = RECORD_HEADER + MAX_FRAMES * 8;
+pub const MAP_RECORD_HEADER: u64 = record::MAP_FRAMES;
+pub const MAX_RECORD: u64 = MAP_RECORD_HEADER + MAX_FRAMES * 8;
 /// Ring and the room past its end for a record that starts near it (a
 /// page, to keep rings page-aligned).
 pub const RING_STRIDE: u64 = RING_SIZE + MAX_RECORD.next_multiple_of(4096);
@@ -168,10 +184,12 @@ pub const CACHE_SIZE: u64 = 16 << CACHE_BITS;
 /// The whole area.
 pub const AREA_SIZE: u64 = CACHES + (SLOTS + PROBES) * CACHE_SIZE;
 
-/// Record fields (8-byte aligned, [`RECORD_HEADER`] bytes, then the frames).
+/// Record fields (8-byte aligned, [`RECORD_HEADER`] bytes, then the frames;
+/// a mapping call's record: [`MAP_RECORD_HEADER`] bytes, then the frames).
 pub mod record {
     /// u16 size of the record in bytes, u16 frames, u8 flags, u8 op
-    /// (`Op as u8`), u16 the probe's number.
+    /// (`Op as u8`; a mapping call's: [`MAP_OPS`] + its index in
+    /// `MapOp::ALL`), u16 the probe's number.
     pub const HEAD: u64 = 0;
     pub const SEQ: u64 = 8;
     pub const TSC: u64 = 16;
@@ -183,6 +201,15 @@ pub mod record {
     pub const STORED: u64 = 56;
     pub const FRAMES: u64 = 64;
 
+    /// A mapping call's record: `STORED` holds its fourth argument, then
+    /// come the fifth and sixth, then the frames.
+    pub const ARG3: u64 = STORED;
+    pub const ARG4: u64 = 64;
+    pub const ARG5: u64 = 72;
+    pub const MAP_FRAMES: u64 = 80;
+    /// The op code of a mapping call's record: this + its `MapOp` index.
+    pub const MAP_OPS: u8 = 0x40;
+
     /// Flag: the stack ended where no unwind rule covered an address (or
     /// outside the thread's stack): it may be incomplete.
     pub const TRUNCATED: u8 = 1;
@@ -190,10 +217,48 @@ pub mod record {
     pub const FULL: u8 = 2;
 }
 
-/// Where the slot for thread pointer `tp` is first looked for (the probe
-/// computes the same: see `code`).
-pub fn home_slot(tp: u64) -> u64 {
-    (key_of(tp).wrapping_mul(HASH) >> (64 - SLOT_BITS)) & (SLOTS - 1)
+/// What a probe records: an allocator call, or a mapping call (six
+/// arguments, in a slot of its own: see [`MAP_KEY`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Called {
+    Alloc(Op),
+    Map(MapOp),
+}
+
+impl Called {
+    /// The op code in a record's header.
+    pub fn code(self) -> u8 {
+        match self {
+            Called::Alloc(op) => op as u8,
+            Called::Map(op) => record::MAP_OPS + op as u8,
+        }
+    }
+
+    /// The call of op code `code`, if a probe records it: an allocator
+    /// function (never an `inventory` row, which only the heap walk makes)
+    /// or a mapping function.
+    pub fn of_code(code: u8) -> Option<Called> {
+        match code.checked_sub(record::MAP_OPS) {
+            Some(i) => MapOp::ALL.get(usize::from(i)).copied().map(Called::Map),
+            None => Op::ALL.get(usize::from(code)).copied().map(Called::Alloc),
+        }
+    }
+
+    /// Where a record's frames start.
+    pub fn frames_at(self) -> u64 {
+        match self {
+            Called::Alloc(_) => record::FRAMES,
+            Called::Map(_) => record::MAP_FRAMES,
+        }
+    }
+
+    /// The probe records the call's result (all but `free`).
+    pub fn returns(self) -> bool {
+        match self {
+            Called::Alloc(op) => op.allocates(),
+            Called::Map(_) => true,
+        }
+    }
 }
 
 /// The multiplier of the slot hash (Fibonacci hashing: 2^64 / φ, odd),
@@ -203,6 +268,17 @@ pub const HASH: u64 = 0x9e37_79b9_7f4a_7c15;
 /// A slot's key for thread pointer `tp`: never 0, which marks a free slot.
 pub fn key_of(tp: u64) -> u64 {
     tp.wrapping_add(1)
+}
+
+/// The key of the slot a thread's mapping calls use (see [`MAP_KEY`]).
+pub fn map_key_of(tp: u64) -> u64 {
+    key_of(tp) | MAP_KEY
+}
+
+/// Where a slot with key `key` is first looked for (the probe computes the
+/// same: see `code`).
+pub fn home_of_key(key: u64) -> u64 {
+    (key.wrapping_mul(HASH) >> (64 - SLOT_BITS)) & (SLOTS - 1)
 }
 
 /// Offset of slot `i`, and of its ring.
@@ -232,7 +308,7 @@ mod tests {
         assert_eq!(RING_STRIDE % 8, 0);
         // Slots of threads a stack apart land apart.
         let homes: std::collections::HashSet<u64> = (0..64u64)
-            .map(|i| home_slot(0x7f00_0000_0000 + i * (8 << 20) + 0x6c0))
+            .map(|i| home_of_key(key_of(0x7f00_0000_0000 + i * (8 << 20) + 0x6c0)))
             .collect();
         assert!(homes.len() >= 60, "{}", homes.len());
     }

@@ -120,3 +120,34 @@ pub fn gate(
         end: ip(&end)?,
     })
 }
+
+/// [`if_gone`], keeping rcx, r8 and r9 (`keep`: a mapping call's arguments,
+/// which it clobbers) on the stack meanwhile.
+pub fn if_gone_keeping(
+    a: &mut CodeAssembler,
+    control: u64,
+    gone: CodeLabel,
+    keep: bool,
+) -> Result<(), IcedError> {
+    if !keep {
+        return if_gone(a, control, gone);
+    }
+    let mut out = a.create_label();
+    let mut here = a.create_label();
+    for reg in [rcx, r8, r9] {
+        a.push(reg)?;
+    }
+    if_gone(a, control, out)?;
+    for reg in [r9, r8, rcx] {
+        a.pop(reg)?;
+    }
+    a.jmp(here)?;
+    a.set_label(&mut out)?;
+    for reg in [r9, r8, rcx] {
+        a.pop(reg)?;
+    }
+    a.jmp(gone)?;
+    a.set_label(&mut here)?;
+    a.nop()?;
+    Ok(())
+}

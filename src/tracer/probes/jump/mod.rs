@@ -9,6 +9,7 @@
 pub mod code;
 pub mod control;
 pub mod decode;
+mod labels;
 pub mod layout;
 pub mod liveness;
 pub mod plan;

@@ -7,7 +7,7 @@
 use iced_x86::code_asm::*;
 
 use super::code::{ProbeCode, ProbeSpec, probe};
-use super::layout::{self, dir, record, rule, slot};
+use super::layout::{self, Called, dir, record, rule, slot};
 use super::plan::{Plan, plan};
 use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
@@ -51,7 +51,7 @@ impl Rig {
         control.write(layout::ALIVE_WORD as usize, &tid.to_le_bytes());
         // This thread's slot, as memptrace makes one: fixed part, key last.
         let tp = thread_pointer();
-        let i = layout::home_slot(tp);
+        let i = layout::home_of_key(layout::key_of(tp));
         let slot = layout::slot_offset(i) as usize;
         let (lo, hi) = own_stack();
         control.write_u64(slot + slot::STACK_LO as usize, lo);
@@ -115,6 +115,11 @@ impl Rig {
 
     /// Plant a probe for `op` on the function at `offset`.
     fn plant(&mut self, offset: usize, op: Op, id: u16) -> (Plan, ProbeCode) {
+        self.plant_for(offset, Called::Alloc(op), id)
+    }
+
+    /// Plant a probe recording `what` on the function at `offset`.
+    fn plant_for(&mut self, offset: usize, what: Called, id: u16) -> (Plan, ProbeCode) {
         let addr = self.code.addr() + offset as u64;
         let mut bytes = vec![0u8; 64];
         self.code.read(offset, &mut bytes);
@@ -123,7 +128,7 @@ impl Rig {
         let at = self.code.addr() + self.next_probe as u64;
         let spec = ProbeSpec {
             id,
-            op,
+            what,
             control: self.control.addr(),
             displaced: plan.displaced.clone(),
             resume: plan.resume,
@@ -507,3 +512,7 @@ fn the_gate_of_dl_debug_state_goes_straight_on_without_memptrace() {
     rig.call(DEBUG_STATE, 0, 0, 0);
     assert_eq!(rig.header(layout::LET_THROUGH), 0, "not an allocator call");
 }
+
+/// Mapping calls' probes: six arguments, a slot of their own.
+#[path = "map_tests.rs"]
+mod maps;
