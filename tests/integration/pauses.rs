@@ -204,23 +204,30 @@ fn the_inventory_of_a_heap_changing_through_the_attach_is_exact() {
         .filter(|p| !traced.contains_key(p))
         .copied()
         .collect();
-    assert!(
-        phantoms.len() + missing.len() + again.len() <= 4,
-        "live in the trace only: {phantoms:x?}; in the heap only: {missing:x?}; \
-         in the inventory and allocated again: {again:x?}"
-    );
+    // A call in flight at the stop (inside the allocator, past its entry)
+    // is not recorded: the block it changes differs from the trace's.
+    let mut changed = BTreeSet::new();
     for (ptr, (size, op)) in &traced {
         let Some(&usable) = heap.get(ptr) else {
             continue;
         };
-        if op == "inventory" {
-            assert_eq!(*size, usable, "{ptr:#x}");
+        let fits = if op == "inventory" {
+            *size == usable
         } else {
-            assert!(*size <= usable, "{ptr:#x}: {op} of {size}, {usable} usable");
+            *size <= usable
+        };
+        if !fits {
+            changed.insert(*ptr);
         }
     }
+    assert!(
+        phantoms.len() + missing.len() + again.len() + changed.len() <= 4,
+        "live in the trace only: {phantoms:x?}; in the heap only: {missing:x?}; \
+         in the inventory and allocated again: {again:x?}; of another size: {changed:x?}"
+    );
     for (addr, asked) in slots {
         match traced.get(&addr) {
+            _ if changed.contains(&addr) => {}
             Some((size, op)) if op != "inventory" => assert_eq!(*size, asked, "{addr:#x} {op}"),
             Some((size, _)) => assert!(*size >= asked, "{addr:#x}"),
             None => assert!(missing.contains(&addr), "{addr:#x}"),
