@@ -122,19 +122,6 @@ static void *spawner(void *arg)
     return NULL;
 }
 
-static int tracer_pid(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    int pid = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "TracerPid: %d", &pid) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return pid;
-}
-
 int main(int argc, char **argv)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);

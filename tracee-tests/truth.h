@@ -34,4 +34,19 @@ static inline void truth_leak(const char *function, long blocks, unsigned long b
     printf("leak %s %ld %lu\n", function, blocks, bytes);
 }
 
+/* The pid of the process tracing this one (TracerPid in its status file),
+ * 0 for none, -1 when it cannot be read. */
+static inline int tracer_pid(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    int pid = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "TracerPid: %d", &pid) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return pid;
+}
+
 #endif

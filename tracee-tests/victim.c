@@ -45,19 +45,6 @@ static void on_int(int sig)
 }
 
 /* The pid of the process tracing this one, 0 for none. */
-static int tracer_pid(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    int pid = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "TracerPid: %d", &pid) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return pid;
-}
-
 static void complain(const char *what, long a, long b)
 {
     fprintf(stderr, "victim: %s (%ld, %ld)\n", what, a, b);
