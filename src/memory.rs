@@ -37,7 +37,7 @@ pub trait Memory {
 
 /// Bytes at addresses: regions that do not overlap; anything else reads as
 /// unmapped.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Snapshot {
     regions: BTreeMap<u64, Vec<u8>>,
 }

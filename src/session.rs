@@ -411,6 +411,11 @@ impl Recording {
             .iter()
             .map(|(function, how)| (format!("probe.{function}"), how.clone()))
             .chain(crate::tracer::pauses::meta_rows(&stats.pauses))
+            .chain(
+                stats
+                    .in_probes_at_detach
+                    .map(|n| ("detach_threads_in_probes".to_string(), n.to_string())),
+            )
             .collect();
         let mut warnings = Vec::new();
         if stats.hooked_functions == 0 {

@@ -140,6 +140,9 @@ pub struct Arena {
     pub fast_bytes: u64,
     /// Its mutex was never seen free (a call in flight inside the allocator).
     pub locked: bool,
+    /// Read live, it failed its checks differently at each attempt: threads
+    /// were changing it (a busy arena), which proves no damage.
+    pub changing: bool,
     /// Why it was not read; then it has no chunks and counts nowhere.
     pub error: Option<String>,
     /// Resident bytes of its heaps; `None` when residency is unknown.

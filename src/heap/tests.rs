@@ -314,6 +314,64 @@ fn a_locked_arena_is_read_again_then_marked() {
     assert_eq!(map.arenas[0].error, None);
 }
 
+/// Memory that shows its next picture after each read at the arena's
+/// start (its mutex): a live arena that threads change between reads.
+struct Moving {
+    pictures: Vec<Snapshot>,
+    reads: std::cell::Cell<usize>,
+}
+
+impl crate::memory::Memory for Moving {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        let now = self.reads.get();
+        if addr == ARENA {
+            self.reads.set(now + 1);
+        }
+        self.pictures[now % self.pictures.len()].read(addr, buf)
+    }
+}
+
+/// An arena that fails its checks the same way at two reads in a row is
+/// damaged; one that fails differently at each read, with its mutex free
+/// at every one, was changing under the reader: not damaged.
+#[test]
+fn only_an_arena_that_fails_the_same_way_twice_is_damaged() {
+    let broken = |size: u64| {
+        let mut b = sample();
+        put(&mut b.heap, 0x290 + 8, size | 1);
+        b.memory()
+    };
+    let still = Moving {
+        pictures: vec![broken(0x9990)],
+        reads: Default::default(),
+    };
+    let map = read_heap(&still, &glibc(), &maps(""), &NoResidency, 100);
+    let a = &map.arenas[0];
+    assert!(a.error.as_deref().unwrap().contains("bad size"), "{a:?}");
+    assert!(!a.locked && !a.changing, "{a:?}");
+    // Two attempts were enough to prove it.
+    assert!(still.reads.get() <= 8, "{} reads", still.reads.get());
+
+    let moving = Moving {
+        pictures: (1..=9).map(|k| broken(0x9990 + 0x1000 * k)).collect(),
+        reads: Default::default(),
+    };
+    let map = read_heap(&moving, &glibc(), &maps(""), &NoResidency, 5);
+    let a = &map.arenas[0];
+    assert!(a.error.is_some(), "{a:?}");
+    assert!(!a.locked && a.changing, "{a:?}");
+
+    // Changing, then still at a picture that walks: read right.
+    let mut pictures: Vec<Snapshot> = (1..=3).map(|k| broken(0x9990 + 0x1000 * k)).collect();
+    pictures.push(sample().memory());
+    let settling = Moving {
+        pictures,
+        reads: Default::default(),
+    };
+    let map = read_heap(&settling, &glibc(), &maps(""), &NoResidency, 100);
+    assert_eq!(map.arenas[0].error, None);
+}
+
 #[test]
 fn finds_mmapped_blocks_and_moved_aligned_ones() {
     let b = sample();

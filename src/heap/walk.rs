@@ -103,6 +103,7 @@ pub(super) fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
 
 /// An arena copied: its `malloc_state` and its heaps, and whether its mutex
 /// was held.
+#[derive(PartialEq)]
 pub(super) struct Copy {
     pub(super) mem: Snapshot,
     pub(super) heaps: Vec<HeapRange>,
@@ -539,6 +540,13 @@ pub(super) fn each_arena<T>(
 }
 
 /// One arena, copied and walked until it reads right; and the next arena.
+///
+/// A failure proves damage only where the arena stood still: in a live
+/// process a thread can take the mutex, change the bins and let go between
+/// the two reads of the mutex that frame a copy, so an unlocked copy that
+/// fails its checks is damage only when the next attempt fails the same way
+/// on the same bytes (or when there is one attempt, the process stopped).
+/// An arena that failed differently each time was changing, not damaged.
 fn read_arena(
     mem: &dyn Memory,
     g: &Glibc,
@@ -551,11 +559,14 @@ fn read_arena(
     let mut err = String::new();
     let mut next = None;
     let mut locked = false;
+    let mut stable = attempts == 1;
+    // The last unlocked failure: its reason and its copy, if it copied.
+    let mut last: Option<(String, Option<Copy>)> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        match copy(
+        let failure = match copy(
             mem,
             g,
             maps,
@@ -572,16 +583,30 @@ fn read_arena(
                 }
                 match walk(g, arena, main, &c) {
                     Ok(a) => return (Ok((a, c)), next),
-                    Err(e) => err = e,
+                    Err(e) if c.locked => {
+                        err = e;
+                        continue;
+                    }
+                    Err(e) => (e, Some(c)),
                 }
             }
-            Err(e) => err = e,
+            Err(e) => {
+                locked = false;
+                (e, None)
+            }
+        };
+        err = failure.0.clone();
+        if last.as_ref() == Some(&failure) {
+            stable = true;
+            break;
         }
+        last = Some(failure);
     }
     let failed = Arena {
         addr: arena,
         main,
         locked,
+        changing: !locked && !stable,
         error: Some(err),
         ..Arena::default()
     };

@@ -93,6 +93,7 @@ impl Tracer {
 
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
         let mut pause = PauseClock::start("detach");
+        super::dying::detaching();
         let mut waiting: HashSet<Tid> = HashSet::new();
         let mut deliver: HashMap<Tid, i32> = HashMap::new();
         // Threads already stopped (an attach that failed) report nothing
@@ -150,80 +151,97 @@ impl Tracer {
                 Stopping::NoneLeft => break,
             };
             progress = Instant::now();
-            match Stopped::of(stop) {
-                Stopped::Gone => {
-                    waiting.remove(&tid);
-                    self.thread_gone(tid, stop)?;
-                }
-                Stopped::Trap if self.settle_trap(tid)? => {
-                    waiting.remove(&tid);
-                }
-                Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
-                    // A probe's stack walk faulted: the thread leaves the
-                    // probe with the others; the program never sees it.
-                    let to = self.walk_faulted(tid).unwrap_or_default();
-                    if let Ok(mut regs) = ptrace::get_regs(tid) {
-                        regs.rip = to;
-                        let _ = ptrace::set_regs(tid, &regs);
-                    }
-                    self.stats.walk_faults += 1;
-                    waiting.remove(&tid);
-                }
-                Stopped::Fault(_) if self.copy_faulted(tid) => {
-                    // The copy routine's own fault: the copy is read with the
-                    // others, the thread leaves the routine with the others,
-                    // and the program never sees the signal.
-                    self.note_copy_fault(tid);
-                    waiting.remove(&tid);
-                }
-                Stopped::Trap => {
-                    deliver.insert(tid, libc::SIGTRAP);
-                    waiting.remove(&tid);
-                }
-                Stopped::Fault(sig) | Stopped::Signal(sig) => {
-                    deliver.insert(tid, sig);
-                    waiting.remove(&tid);
-                }
-                Stopped::Birth(event) => {
-                    self.announce_child(tid, event, true)?;
-                    waiting.remove(&tid);
-                }
-                Stopped::Exec => {
-                    // The old code is gone with the old memory, if the memory
-                    // was the process's own: a vfork child that execs leaves
-                    // its parent's memory, and the probes in it, as they are.
-                    let pid = self.family.pid_of(tid).unwrap_or(tid);
-                    let owns = self
-                        .family
-                        .processes
-                        .get(&pid)
-                        .is_some_and(|p| p.role == Role::Traced);
-                    if owns {
-                        if let Some(space) = self.family.space_of_mut(tid) {
-                            space.hooks.clear();
-                        }
-                    } else {
-                        self.end_sharing(pid);
-                    }
-                    waiting.remove(&tid);
-                }
-                Stopped::Exiting => {
-                    waiting.remove(&tid);
-                }
-                Stopped::GroupStop(_) | Stopped::Interrupt => {
-                    let pid = self.family.pid_of(tid).unwrap_or(tid);
-                    if self.at_int3(tid) && sigtrap_pending(pid, tid) {
-                        // Let the queued trap be reported, then settle it.
-                        ptrace::cont(tid, 0)?;
-                    } else {
-                        waiting.remove(&tid);
-                    }
-                }
+            if self.settle_stopping(tid, stop, &mut deliver)? {
+                waiting.remove(&tid);
             }
         }
         let late: HashSet<Tid> = waiting.difference(&stuck).copied().collect();
         pause.lap("stop");
         self.restore_and_release(deliver, &stuck, &late, Some(pause))
+    }
+
+    /// While detaching, a stop of the known thread `tid`: settle it (a trap
+    /// of ours completed or rewound, a signal kept for `deliver`, a child
+    /// announced). True when the thread is stopped for good, to be
+    /// detached; false when it was resumed to report a queued trap.
+    pub(super) fn settle_stopping(
+        &mut self,
+        tid: Tid,
+        stop: Stop,
+        deliver: &mut HashMap<Tid, i32>,
+    ) -> Result<bool, TraceError> {
+        match Stopped::of(stop) {
+            Stopped::Gone => self.thread_gone(tid, stop)?,
+            Stopped::Trap if self.settle_trap(tid)? => {}
+            Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
+                // A probe's stack walk faulted: the thread leaves the probe
+                // with the others; the program never sees it.
+                let to = self.walk_faulted(tid).unwrap_or_default();
+                if let Ok(mut regs) = ptrace::get_regs(tid) {
+                    regs.rip = to;
+                    let _ = ptrace::set_regs(tid, &regs);
+                }
+                self.stats.walk_faults += 1;
+            }
+            Stopped::Fault(_) if self.copy_faulted(tid) => {
+                // The copy routine's own fault: the copy is read with the
+                // others, the thread leaves the routine with the others, and
+                // the program never sees the signal.
+                self.note_copy_fault(tid);
+            }
+            Stopped::Trap => {
+                deliver.insert(tid, libc::SIGTRAP);
+            }
+            Stopped::Fault(sig) | Stopped::Signal(sig) => {
+                deliver.insert(tid, sig);
+            }
+            Stopped::Birth(event) => self.announce_child(tid, event, true)?,
+            Stopped::Exec => {
+                // The old code is gone with the old memory, if the memory was
+                // the process's own: a vfork child that execs leaves its
+                // parent's memory, and the probes in it, as they are.
+                let pid = self.family.pid_of(tid).unwrap_or(tid);
+                let owns = self
+                    .family
+                    .processes
+                    .get(&pid)
+                    .is_some_and(|p| p.role == Role::Traced);
+                if owns {
+                    if let Some(space) = self.family.space_of_mut(tid) {
+                        space.hooks.clear();
+                    }
+                } else {
+                    self.end_sharing(pid);
+                }
+            }
+            Stopped::Exiting => {}
+            Stopped::GroupStop(_) | Stopped::Interrupt => {
+                let pid = self.family.pid_of(tid).unwrap_or(tid);
+                if self.at_int3(tid) && sigtrap_pending(pid, tid) {
+                    // Let the queued trap be reported, then settle it.
+                    ptrace::cont(tid, 0)?;
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Adopt, until `deadline`, the children announced while stopping
+    /// (their first stop may not have come yet).
+    pub(super) fn adopt_announced(&mut self, deadline: Instant) -> Result<(), TraceError> {
+        while !self.family.announced.is_empty() && Instant::now() < deadline {
+            match self.next_stop_while_stopping()? {
+                Stopping::NoneLeft => break,
+                Stopping::Known(tid, stop) => {
+                    // A known thread's stop is not this loop's: kept.
+                    ptrace::keep_for_later(tid, stop);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// Threads blocked in a vfork until their child execs or exits.
@@ -272,7 +290,14 @@ impl Tracer {
         }
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
-        self.leave_jump_probes(&mut deliver, &mut keep_pages)?;
+        for (tid, pid) in self
+            .leave_jump_probes(&mut deliver, &mut keep_pages)?
+            .into_iter()
+            .filter_map(|tid| Some((tid, self.family.pid_of(tid)?)))
+            .collect::<Vec<_>>()
+        {
+            later.push((tid, pid));
+        }
         lap("leave_probes");
         let heaps = self.heaps_to_map();
         // Allocator calls, and mapping calls, entered through a stub.

@@ -118,7 +118,7 @@ impl Tracer {
             let damaged = map
                 .arenas
                 .iter()
-                .find(|a| a.error.is_some() && !a.locked && (locks || !a.main));
+                .find(|a| a.error.is_some() && !a.locked && !a.changing && (locks || !a.main));
             if let Some(a) = damaged {
                 self.stats.warnings.push(format!(
                     "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \

@@ -2,19 +2,19 @@
 //! has a slot, a vfork child running on its parent's slot, and the detach,
 //! which must get every thread out of the probes before their code goes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use super::probes::Probe;
 use super::process::Role;
 use super::{TraceError, Tracer};
 use crate::memory::Memory;
 use crate::os::mem;
-use crate::os::ptrace::{self, Regs, Stop, Tid};
+use crate::os::ptrace::{self, Regs, Tid};
 
-/// Instructions a thread is stepped through, at most, to leave a probe at
-/// detach (a probe is a few hundred; a thread waiting for room in its ring
-/// loops through its wait until memptrace reads the ring).
-const MAX_STEPS: usize = 200_000;
+/// How long threads in a probe's code run at first before they are
+/// stopped again at detach, and at most (doubled at each round).
+const RUN_OUT: (Duration, Duration) = (Duration::from_micros(50), Duration::from_millis(5));
 
 impl Tracer {
     /// A thread with no slot met a probe (its first allocator call, or its
@@ -170,26 +170,29 @@ impl Tracer {
         }
     }
 
-    /// At detach, every thread stopped: step each thread standing in a
-    /// probe's code until it is out (its record committed, or its call not
+    /// At detach, every thread stopped: let each thread standing in a
+    /// probe's code run until it is out (its record committed, or its call
     /// begun), and send every call still inside a function that a probe
     /// called straight back to its caller, as the int3 probes' stubs are
     /// (see `detach`). Signals that stopped a thread meanwhile go to
-    /// `deliver`.
+    /// `deliver`. Returns the threads that were let run and did not stop
+    /// again (they stay traced until they do: see `detach_later`).
     pub(super) fn leave_jump_probes(
         &mut self,
         deliver: &mut HashMap<Tid, i32>,
-        keep_pages: &mut std::collections::HashSet<Tid>,
-    ) -> Result<(), TraceError> {
+        keep_pages: &mut HashSet<Tid>,
+    ) -> Result<Vec<Tid>, TraceError> {
         self.drain_rings(false);
-        let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
-        for &tid in &tids {
-            if !self.step_out(tid, deliver)? {
-                if let Some(owner) = self.family.owner_of(tid) {
-                    keep_pages.insert(owner);
-                }
+        let (inside, running) = self.run_out(deliver)?;
+        for tid in inside.iter().chain(&running) {
+            if let Some(owner) = self.family.owner_of(*tid) {
+                keep_pages.insert(owner);
             }
         }
+        for tid in &running {
+            self.family.threads.remove(tid);
+        }
+        let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
         // Calls in progress return to the probe's return path: rewrite
         // those return addresses.
         let mut pop_rets: HashMap<Tid, Option<u64>> = HashMap::new();
@@ -227,52 +230,164 @@ impl Tracer {
             }
         }
         self.drain_rings(true);
-        Ok(())
+        Ok(running)
     }
 
-    /// Single-step `tid` until it stands outside the trampoline areas.
-    /// False when it could not be got out.
-    fn step_out(&mut self, tid: Tid, deliver: &mut HashMap<Tid, i32>) -> Result<bool, TraceError> {
-        for step in 0..MAX_STEPS {
+    /// Get every thread out of the jump probes' code without a single
+    /// step: the probes' entries get their original bytes back (no call
+    /// enters a probe any more), then the threads inside run for a moment
+    /// and are interrupted, again and again, until each stands outside.
+    /// A thread stopped by a single step or an int3 sits in a SIGTRAP stop,
+    /// which memptrace's death would turn into a SIGTRAP that kills the
+    /// process; one stopped by PTRACE_INTERRUPT is let go unharmed.
+    /// Returns the threads still inside at the end of [`super::PATIENCE`]
+    /// and those that were let run and did not stop again.
+    fn run_out(
+        &mut self,
+        deliver: &mut HashMap<Tid, i32>,
+    ) -> Result<(Vec<Tid>, Vec<Tid>), TraceError> {
+        let mut inside = self.inside_probes()?;
+        if super::dying::wants_threads_in_probes() {
+            inside = self.until_some_thread_is_in_a_probe(inside, deliver)?;
+        }
+        *self.stats.in_probes_at_detach.get_or_insert(0) += inside.len() as u64;
+        if inside.is_empty() {
+            return Ok((inside, Vec::new()));
+        }
+        for process in self.family.processes.values() {
+            if let (Role::Traced, Some(space)) = (process.role, process.space.as_ref()) {
+                space.put_back_code()?;
+            }
+        }
+        super::dying::in_detach();
+        let deadline = Instant::now() + super::PATIENCE;
+        let mut run = RUN_OUT.0;
+        while !inside.is_empty() && Instant::now() < deadline {
+            // A thread waiting for room in its ring needs it read.
+            self.drain_rings(false);
+            let mut waiting: HashSet<Tid> = HashSet::new();
+            for &tid in &inside {
+                // A signal that stopped it is delivered now: one that came
+                // next would take its place in `deliver`.
+                let sig = deliver.remove(&tid).unwrap_or(0);
+                if ptrace::cont(tid, sig).is_ok() {
+                    waiting.insert(tid);
+                }
+            }
+            super::dying::in_detach();
+            std::thread::sleep(run);
+            for &tid in &waiting {
+                let _ = ptrace::interrupt(tid);
+            }
+            let running = self.stop_again(waiting, deliver, deadline)?;
+            super::dying::in_detach();
+            if !running.is_empty() {
+                inside = self.inside_probes()?;
+                inside.retain(|t| !running.contains(t));
+                return Ok((inside, running));
+            }
+            inside = self.inside_probes()?;
+            run = (run * 2).min(RUN_OUT.1);
+        }
+        Ok((inside, Vec::new()))
+    }
+
+    /// For a test of memptrace's death at detach (see `dying`): every
+    /// thread let run a moment and stopped again, up to a thousand times,
+    /// until one stops in a probe's code.
+    fn until_some_thread_is_in_a_probe(
+        &mut self,
+        mut inside: Vec<Tid>,
+        deliver: &mut HashMap<Tid, i32>,
+    ) -> Result<Vec<Tid>, TraceError> {
+        for _ in 0..1000 {
+            if !inside.is_empty() {
+                break;
+            }
+            self.drain_rings(false);
+            let mut waiting: HashSet<Tid> = HashSet::new();
+            for &tid in self.family.threads.keys() {
+                let sig = deliver.remove(&tid).unwrap_or(0);
+                if ptrace::cont(tid, sig).is_ok() {
+                    waiting.insert(tid);
+                }
+            }
+            std::thread::sleep(RUN_OUT.0);
+            for &tid in &waiting {
+                let _ = ptrace::interrupt(tid);
+            }
+            let deadline = Instant::now() + super::PATIENCE;
+            if !self.stop_again(waiting, deliver, deadline)?.is_empty() {
+                break;
+            }
+            inside = self.inside_probes()?;
+        }
+        Ok(inside)
+    }
+
+    /// The threads standing in a probe's code where no place in the
+    /// original code matches (a jump probe recording a call); a thread at a
+    /// miss int3 is sent back to its function's entry.
+    fn inside_probes(&mut self) -> Result<Vec<Tid>, TraceError> {
+        let mut inside = Vec::new();
+        let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
+        for tid in tids {
             let Ok(mut regs) = ptrace::get_regs(tid) else {
-                return Ok(true); // gone
+                continue; // gone
             };
             let Some(space) = self.family.space_of(tid) else {
-                return Ok(true);
+                continue;
             };
             if !space.in_areas(regs.rip) {
-                return Ok(true);
+                continue;
             }
-            // At a miss int3 (stepped onto it, or stopped on it): the call
-            // has not begun; it begins again at the restored entry.
+            // At a miss int3: the call has not begun; it begins again at
+            // the restored entry.
             if let Some(hook) = space.hooks.missed(regs.rip.wrapping_sub(1)) {
                 regs.rip = hook.addr;
                 ptrace::set_regs(tid, &regs)?;
-                return Ok(true);
+                continue;
             }
-            if step % 256 == 255 {
-                // A thread waiting for room in its ring needs it read.
-                self.drain_rings(false);
-            }
-            ptrace::single_step(tid)?;
-            // Bounded: a thread that does not come back from one step (it
-            // was killed with its process, whose leader a wait would then
-            // wait for) is not waited for forever; it counts as not out.
-            let deadline = std::time::Instant::now() + super::PATIENCE;
-            match ptrace::wait_tid_until(tid, deadline)? {
-                None => return Ok(false),
-                Some(Stop::Signal(libc::SIGTRAP)) => {}
-                Some(Stop::Signal(sig)) => {
-                    deliver.entry(tid).or_insert(sig);
-                }
-                Some(stop @ (Stop::Exited(_) | Stop::Killed { .. })) => {
-                    // How it ended is the wait loop's to see.
-                    ptrace::keep_for_later(tid, stop);
-                    return Ok(true);
-                }
-                Some(_) => {}
+            if space.leave_areas(&mut regs.clone()).is_none() {
+                inside.push(tid);
             }
         }
-        Ok(false)
+        Ok(inside)
+    }
+
+    /// Wait, until `deadline`, for the threads `waiting` (resumed, then
+    /// interrupted) to stop again, settling each stop as the detach's stop
+    /// does; a thread born meanwhile is adopted. Returns the threads that
+    /// did not stop.
+    fn stop_again(
+        &mut self,
+        mut waiting: HashSet<Tid>,
+        deliver: &mut HashMap<Tid, i32>,
+        deadline: Instant,
+    ) -> Result<Vec<Tid>, TraceError> {
+        let mut kicked = Instant::now();
+        while !waiting.is_empty() && Instant::now() < deadline {
+            let tid = *waiting.iter().next().unwrap_or(&0);
+            let step = (Instant::now() + super::PATIENCE / 16).min(deadline);
+            match ptrace::wait_tid_until(tid, step)? {
+                None => {
+                    if kicked.elapsed() >= super::PATIENCE / 8 {
+                        // Between two states (leaving a system call): ask
+                        // again.
+                        for &tid in &waiting {
+                            let _ = ptrace::interrupt(tid);
+                        }
+                        kicked = Instant::now();
+                    }
+                }
+                Some(stop) => {
+                    if self.settle_stopping(tid, stop, deliver)? {
+                        waiting.remove(&tid);
+                    }
+                }
+            }
+        }
+        self.adopt_announced(deadline)?;
+        Ok(waiting.into_iter().collect())
     }
 }

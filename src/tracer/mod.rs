@@ -21,6 +21,7 @@ mod callsite;
 mod children;
 mod copies;
 mod detach;
+mod dying;
 mod failopen;
 mod failure;
 mod heapmaps;
@@ -155,6 +156,9 @@ pub struct TraceStats {
     pub heap_walk_errors: u64,
     /// Every stop of the whole program by memptrace (attach, detach), timed.
     pub pauses: Vec<pauses::Pause>,
+    /// Threads that stood in a jump probe's code when the detach stopped
+    /// them, and were let run out of it; `None` before a detach.
+    pub in_probes_at_detach: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -53,6 +53,20 @@ fn attached(label: &str) -> (Background, i32, Background, std::path::PathBuf) {
     (target, pid, tracer, db)
 }
 
+/// memptrace killed itself at its `k`th moment (a debug knob), and the
+/// kernel let process `pid` go.
+fn killed_at(tracer: Background, pid: i32, k: u32) {
+    use std::os::unix::process::ExitStatusExt;
+    let out = tracer.finish();
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGKILL),
+        "k = {k}: {}",
+        out.stderr
+    );
+    assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+}
+
 /// The tracee's own verdict: exit 0, nothing damaged.
 fn assert_unharmed(end: &Run) {
     assert_eq!(end.code(), 0, "{}\n{}", end.stdout, end.stderr);
@@ -193,7 +207,6 @@ fn in_tracing_stop(pid: i32, tid: i32) -> bool {
 /// detach while a thread stands at a SIGTRAP stop (docs/design.md).
 #[test]
 fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
-    use std::os::unix::process::ExitStatusExt;
     let dir = tracee(Variant::Dynamic, "failopen")
         .parent()
         .unwrap()
@@ -213,19 +226,52 @@ fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
                 .args(["attach", "--probes", "jump", &pid.to_string(), "-o"])
                 .arg(&db),
         );
-        let out = tracer.finish();
-        assert_eq!(
-            out.status.signal(),
-            Some(libc::SIGKILL),
-            "k = {k}: {}",
-            out.stderr
-        );
-        // The kernel let it go when memptrace died.
-        assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
+        killed_at(tracer, pid, k);
         target.send("go\n");
         let end = target.finish();
         assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stderr);
         assert!(end.stdout.contains("tracer 0"), "k = {k}: {}", end.stdout);
+        assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+    }
+}
+
+/// memptrace killed (SIGKILL) while it detaches, at each moment of its way
+/// out of the jump probes (`MEMPTRACE_DIE_IN_DETACH`, which also makes the
+/// detach wait until a thread stands in a probe's code): the probes'
+/// entries already hold their own bytes again; a thread let run out of a
+/// probe is running, one stopped again sits in an interrupt stop, which
+/// the kernel ends without a signal. The victim, whose 8 threads allocate
+/// all the time and check every block, runs on, its allocator's code as it
+/// was, and ends well. (A thread stepped out of a probe, as memptrace once
+/// did, would sit in a SIGTRAP stop: its death killed the process.)
+#[test]
+fn sigkill_of_memptrace_while_it_detaches() {
+    for k in [1, 2, 3] {
+        let mut victim =
+            Background::start(Command::new(tracee(Variant::Dynamic, "victim")).arg("8"));
+        let pid: i32 = victim.wait_for("ready").parse().unwrap();
+        let db = scratch(&format!("failopen-detach-{k}")).join("trace.db");
+        let tracer = Background::start(
+            memptrace()
+                .env("MEMPTRACE_DIE_IN_DETACH", k.to_string())
+                .args([
+                    "attach",
+                    "--probes",
+                    "jump",
+                    &pid.to_string(),
+                    "--duration",
+                    "1",
+                    "-o",
+                ])
+                .arg(&db),
+        );
+        killed_at(tracer, pid, k);
+        // Running on for a while untraced, through the probes' pages.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        victim.signal(libc::SIGTERM);
+        let end = victim.finish();
+        assert_eq!(end.stderr, "", "k = {k}: the victim found damage");
+        assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stdout);
         assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
     }
 }

@@ -269,7 +269,7 @@ impl Run {
     pub fn code(&self) -> i32 {
         self.status
             .code()
-            .unwrap_or_else(|| panic!("memptrace itself was killed: {:?}", self.status))
+            .unwrap_or_else(|| panic!("the process was killed, no exit code: {:?}", self.status))
     }
 }
 

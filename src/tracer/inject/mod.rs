@@ -112,7 +112,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
     regs.r9 = args[5];
     regs.rip = entry;
     ptrace::set_regs(tid, &regs)?;
-    dying::point();
+    super::dying::in_call();
 
     let mut entered = false;
     let deadline = Instant::now() + STEP_PATIENCE;
@@ -137,7 +137,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
         match (stop, at_syscall(tid, stop)?) {
             (_, SyscallStop::Entry) => {
                 entered = true;
-                dying::point();
+                super::dying::in_call();
             }
             (_, SyscallStop::Exit) if entered => break ptrace::get_regs(tid)?.rax,
             // A signal that came before the call: kept, delivered after it.
@@ -151,7 +151,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
             _ => {}
         }
     };
-    dying::point();
+    super::dying::in_call();
     ptrace::set_regs(tid, &resume)?;
     let as_signed = result as i64;
     if (-4095..0).contains(&as_signed) {
@@ -297,29 +297,6 @@ fn at_syscall(tid: Tid, stop: Stop) -> Result<SyscallStop, InjectError> {
 /// The next stop of a thread memptrace resumed, within [`STEP_PATIENCE`].
 fn wait_step(tid: Tid) -> Result<Option<Stop>, InjectError> {
     Ok(ptrace::wait_tid_until(tid, Instant::now() + STEP_PATIENCE)?)
-}
-
-/// A way to test the above: memptrace kills itself at the `n`th moment at
-/// which a thread holds an injected call's registers
-/// (`MEMPTRACE_DIE_IN_CALL=n`, debug builds only), as a SIGKILL or the OOM
-/// killer could.
-mod dying {
-    #[cfg(debug_assertions)]
-    pub fn point() {
-        use std::sync::OnceLock;
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static AT: OnceLock<Option<u64>> = OnceLock::new();
-        static SEEN: AtomicU64 = AtomicU64::new(0);
-        let at = AT.get_or_init(|| std::env::var("MEMPTRACE_DIE_IN_CALL").ok()?.parse().ok());
-        if let Some(at) = *at {
-            if SEEN.fetch_add(1, Ordering::Relaxed) + 1 == at {
-                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-            }
-        }
-    }
-
-    #[cfg(not(debug_assertions))]
-    pub fn point() {}
 }
 
 /// Make `len` bytes of memory shared between the process of the stopped

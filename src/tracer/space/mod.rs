@@ -809,6 +809,12 @@ impl Space {
             .find_map(|m| m.image.syscall_insn.map(|s| m.bias.to_avma(s).0))
     }
 
+    /// Put every original byte back, the probes still known (to move
+    /// threads out of their code, see [`Space::leave_areas`]).
+    pub fn put_back_code(&self) -> io::Result<()> {
+        self.hooks.restore_into(&self.mem)
+    }
+
     /// Put every original byte back (before detaching).
     pub fn restore_all(&mut self) -> io::Result<()> {
         self.hooks.restore_all(&self.mem)
