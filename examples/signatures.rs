@@ -76,6 +76,16 @@ fn find(lib: &Library, binary: &str) -> ExitCode {
                 .unwrap_or_default()
         );
     }
+    for map in &m.maps {
+        let _ = writeln!(
+            out,
+            "  mapping {} at {:#x} ({})",
+            map.op, map.svma, map.function
+        );
+    }
+    for range in &m.housekeeping {
+        let _ = writeln!(out, "  housekeeping {range:#x?}");
+    }
     let _ = writeln!(
         out,
         "  {} of {} functions found",

@@ -48,6 +48,20 @@ pub fn plt_slot(stub: &[u8], addr: u64) -> Option<u64> {
     Some(next.wrapping_add_signed(disp.into()))
 }
 
+/// Where a function at `addr` that is nothing but a jump (`[endbr64] jmp
+/// rel32`, from its first bytes `code`) goes: musl's `malloc` is a jump to
+/// `__libc_malloc_impl`, so a call of it is a call of that.
+pub fn jump_target(code: &[u8], addr: u64) -> Option<u64> {
+    const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
+    let at = if code.starts_with(&ENDBR64) { 4 } else { 0 };
+    if code.get(at) != Some(&0xe9) {
+        return None;
+    }
+    let disp = i32::from_le_bytes(code.get(at + 1..at + 5)?.try_into().ok()?);
+    let next = addr.checked_add(at as u64 + 5)?;
+    Some(next.wrapping_add_signed(disp.into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +91,16 @@ mod tests {
         ];
         assert_eq!(plt_slot(&ibt, 0x1030), Some(0x1030 + 11 + 0x2fe2));
         assert_eq!(plt_slot(&[0x90; 8], 0x1030), None);
+    }
+
+    #[test]
+    fn decodes_jump_wrappers() {
+        // jmp rel32 -0x30 at 0x1000 -> 0x1005 - 0x30.
+        let jmp = [0xe9, 0xd0, 0xff, 0xff, 0xff];
+        assert_eq!(jump_target(&jmp, 0x1000), Some(0xfd5));
+        let ibt = [0xf3, 0x0f, 0x1e, 0xfa, 0xe9, 0x10, 0x00, 0x00, 0x00];
+        assert_eq!(jump_target(&ibt, 0x1000), Some(0x1019));
+        assert_eq!(jump_target(&[0xe9, 0x00], 0x1000), None);
+        assert_eq!(jump_target(&[0x55; 5], 0x1000), None);
     }
 }

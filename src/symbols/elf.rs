@@ -13,66 +13,9 @@ use goblin::elf::{Elf, header, program_header, reloc, section_header, sym};
 use crate::addr::{Avma, LoadBias, Svma};
 use crate::event::{MapOp, Op};
 use crate::symbols::cfi::CfiIndex;
+use crate::symbols::names::{ALLOCATOR_NAMES, BODY_NAMES, HOUSEKEEPING_NAMES, MAPPING_NAMES};
 use crate::symbols::signatures::matcher::Segment;
 pub use crate::symbols::symbolize::DebugLink;
-
-/// Symbol names that denote an allocator entry point. Only the public names:
-/// glibc's `__libc_malloc` and friends are aliases at the same addresses, and
-/// musl's `__libc_free` is the body that `free` jumps to (hooking both would
-/// count every free twice). Local symbols count too: in a static-pie glibc
-/// binary `malloc` itself is local.
-const ALLOCATOR_NAMES: [(&str, Op); 10] = [
-    ("malloc", Op::Malloc),
-    ("calloc", Op::Calloc),
-    ("realloc", Op::Realloc),
-    ("free", Op::Free),
-    ("posix_memalign", Op::PosixMemalign),
-    ("aligned_alloc", Op::AlignedAlloc),
-    ("memalign", Op::Memalign),
-    ("valloc", Op::Valloc),
-    ("pvalloc", Op::Pvalloc),
-    ("reallocarray", Op::Reallocarray),
-];
-
-/// The bodies of allocator functions whose public names only jump to them
-/// (musl), for telling a mapping call made inside the allocator.
-const BODY_NAMES: [(&str, Op); 5] = [
-    ("__libc_malloc_impl", Op::Malloc),
-    ("__libc_malloc", Op::Malloc),
-    ("__libc_free", Op::Free),
-    ("__libc_calloc", Op::Calloc),
-    ("__libc_realloc", Op::Realloc),
-];
-
-/// The mapping functions, under every name the C libraries give them (the
-/// internal aliases are the same code: one hook each).
-const MAPPING_NAMES: [(&str, MapOp); 16] = [
-    ("mmap", MapOp::Mmap),
-    ("mmap64", MapOp::Mmap),
-    ("__mmap", MapOp::Mmap),
-    ("__mmap64", MapOp::Mmap),
-    ("munmap", MapOp::Munmap),
-    ("__munmap", MapOp::Munmap),
-    ("mremap", MapOp::Mremap),
-    ("__mremap", MapOp::Mremap),
-    ("brk", MapOp::Brk),
-    ("__brk", MapOp::Brk),
-    ("sbrk", MapOp::Sbrk),
-    ("__sbrk", MapOp::Sbrk),
-    ("madvise", MapOp::Madvise),
-    ("__madvise", MapOp::Madvise),
-    ("mprotect", MapOp::Mprotect),
-    ("__mprotect", MapOp::Mprotect),
-];
-
-/// glibc functions that release a thread's cached blocks through the public
-/// `free` when the thread exits (malloc.c: tcache_thread_shutdown). Those frees
-/// are the allocator's housekeeping, not the program's.
-const HOUSEKEEPING_NAMES: [&str; 3] = [
-    "tcache_thread_shutdown",
-    "__malloc_arena_thread_freeres",
-    "__libc_thread_freeres",
-];
 
 /// The dynamic linker's hook that debuggers break on (`r_debug.r_brk`): it is
 /// called after libraries are mapped and before their constructors run.
@@ -84,8 +27,8 @@ const DEBUG_STATE: &str = "_dl_debug_state";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AllocatorEntry {
     pub svma: Svma,
-    /// The function's size from its symbol (0 when unknown: a signature
-    /// match).
+    /// The function's size: its symbol's, or the length of its code in
+    /// the signature set that found it.
     pub size: u64,
     pub ops: Vec<Op>,
     pub found_by: FoundBy,
@@ -189,6 +132,9 @@ pub struct ElfImage {
     /// The signature sets its code was matched against, when it had no
     /// allocator symbol (for the error that none matched).
     pub signature_sets: Vec<String>,
+    /// What the signature set that found the allocator did not find of the
+    /// rest (mapping functions, thread-exit frees): one warning each.
+    pub signature_gaps: Vec<String>,
     pub got: Option<Range<u64>>,
     /// .plt, .plt.sec and .plt.got: stubs that jump through a GOT slot.
     pub plt: Vec<Range<u64>>,
@@ -306,6 +252,7 @@ impl ElfImage {
             debug_frame: None,
             cfi: CfiIndex::default(),
             signature_sets: Vec::new(),
+            signature_gaps: Vec::new(),
             got: section_range(".got"),
             plt: [".plt", ".plt.sec", ".plt.got"]
                 .iter()

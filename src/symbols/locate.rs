@@ -101,8 +101,10 @@ fn debug_frame(elf: &Elf, bytes: &[u8]) -> Option<SectionData> {
 }
 
 /// Hook what the best matching set finds: the one that finds the most ops
-/// (the first of equals). Every set tried is remembered for the error that
-/// nothing matched.
+/// (the first of equals), with its mapping functions, housekeeping ranges
+/// and allocator bodies. Every set tried is remembered for the error that
+/// nothing matched; what the best set does not find that every program
+/// linked with its allocator has is said in `signature_gaps`.
 fn from_signatures(image: &mut ElfImage, libraries: &[Library]) {
     let segments = image.code_segments();
     let mut best: Option<(&Library, matcher::Matches)> = None;
@@ -124,13 +126,39 @@ fn from_signatures(image: &mut ElfImage, libraries: &[Library]) {
             via: hook.via.clone(),
         };
         image.add_allocator(Svma(hook.svma), &[hook.op], &found_by);
+        if let Some(entry) = image.allocators.iter_mut().find(|a| a.svma.0 == hook.svma) {
+            entry.size = entry.size.max(hook.len);
+        }
+    }
+    for map in &found.maps {
+        image.mappings.entry(map.svma).or_insert(map.op);
+    }
+    image.housekeeping.extend(found.housekeeping);
+    image.allocator_bodies.extend(found.bodies);
+    // The allocator maps memory through these (glibc's and musl's malloc
+    // both call mmap), and glibc's malloc.o holds its thread-exit frees:
+    // a set that finds the allocator but not them was made from another
+    // build of the C library than the program's.
+    if found.maps.is_empty() {
+        image.signature_gaps.push(format!(
+            "no mapping function (mmap, munmap, ...) of {} found by its code: the program's \
+             mapping calls are not recorded (map_events)",
+            lib.label
+        ));
+    }
+    if image.housekeeping.is_empty() && lib.functions.iter().any(|f| f.housekeeping) {
+        image.signature_gaps.push(format!(
+            "the thread-exit frees of {} not found by their code: the blocks a thread's cache \
+             holds when it exits are counted as frees of the program",
+            lib.label
+        ));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::Op;
+    use crate::event::{MapOp, Op};
 
     /// Debian's busybox-static is stripped and static: its glibc allocator
     /// is found by its code.
@@ -154,6 +182,48 @@ mod tests {
                 matches!(&a.found_by, FoundBy::Signature { library, .. } if library.starts_with("glibc")),
                 "{a:?}"
             );
+            assert!(a.size > 0, "{a:?}");
         }
+        // Its mapping functions and thread-exit frees too.
+        let maps: Vec<MapOp> = image.mappings.values().copied().collect();
+        for op in MapOp::ALL {
+            assert!(maps.contains(&op), "{op} not found: {maps:?}");
+        }
+        assert_eq!(image.housekeeping.len(), 1, "{:?}", image.housekeeping);
+        assert_eq!(image.signature_gaps, Vec::<String>::new());
+    }
+
+    /// A set made from another build of glibc than busybox's, that finds
+    /// its allocator but neither its mapping functions nor its thread-exit
+    /// frees: each gap is said in one line.
+    #[test]
+    fn what_a_set_does_not_find_is_said() {
+        let path = "/bin/busybox";
+        let bytes = std::fs::read(path).expect("busybox-static (scripts/deps installs it)");
+        let mut lib = signatures::libraries()
+            .into_iter()
+            .find(|l| l.label.starts_with("glibc"))
+            .unwrap();
+        lib.label = "glibc 9.99 (another build)".into();
+        for f in &mut lib.functions {
+            if !f.maps.is_empty() || f.housekeeping {
+                // Other code: the first byte that must match differs.
+                let first = f.mask.iter().position(|&m| m != 0).unwrap();
+                f.code[first] ^= 0xff;
+            }
+        }
+        let libs = [lib];
+        let image = load_with(path, &bytes, &[], || &libs).unwrap();
+        assert!(!image.allocators.is_empty());
+        assert!(image.mappings.is_empty() && image.housekeeping.is_empty());
+        assert_eq!(
+            image.signature_gaps,
+            [
+                "no mapping function (mmap, munmap, ...) of glibc 9.99 (another build) found by \
+                 its code: the program's mapping calls are not recorded (map_events)",
+                "the thread-exit frees of glibc 9.99 (another build) not found by their code: the \
+                 blocks a thread's cache holds when it exits are counted as frees of the program"
+            ]
+        );
     }
 }

@@ -8,5 +8,6 @@ pub mod cfi;
 pub mod elf;
 pub mod locate;
 pub mod namer;
+pub mod names;
 pub mod signatures;
 pub mod symbolize;

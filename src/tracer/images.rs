@@ -156,7 +156,12 @@ impl Tracer {
             self.announce_image(pid, &module, now);
         }
         self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
-        self.stats.warnings.extend(warnings);
+        // Once per run: a child forked or exec'd maps the same images.
+        for warning in warnings {
+            if !self.stats.warnings.contains(&warning) {
+                self.stats.warnings.push(warning);
+            }
+        }
         Ok(signals)
     }
 

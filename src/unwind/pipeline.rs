@@ -624,14 +624,16 @@ fn allocator_frame<'a>(
 }
 
 /// The allocator function (malloc, free, ...) that the call instruction
-/// before return address `ip` calls, directly or through a PLT stub or a
-/// GOT slot: a mapping call whose stack has such a frame was made inside
-/// that allocator call, by the allocator.
+/// before return address `ip` calls, directly, through a jump (musl's
+/// `malloc`, when a stripped binary's allocator is hooked at the body it
+/// jumps to), or through a PLT stub or a GOT slot: a mapping call whose
+/// stack has such a frame was made inside that allocator call, by the
+/// allocator.
 fn allocator_called_before<'a>(
     ip: u64,
     image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
 ) -> Option<crate::event::Op> {
-    use crate::symbols::callsite::{CallTarget, call_before, plt_slot};
+    use crate::symbols::callsite::{CallTarget, call_before, jump_target, plt_slot};
     let image = image_at(ip)?;
     let svma = image.bias.to_svma(Avma(ip)).0;
     let before: [u8; 6] = image
@@ -643,8 +645,22 @@ fn allocator_called_before<'a>(
         CallTarget::Direct(target) => {
             let callee = image_at(target)?;
             let at = callee.bias.to_svma(Avma(target));
-            if let Some(entry) = callee.image.allocators.iter().find(|a| a.svma == at) {
-                return Some(entry.default_op());
+            let entry_at = |at| {
+                let mut entries = callee.image.allocators.iter();
+                entries.find(|a| a.svma == at).map(|a| a.default_op())
+            };
+            if let Some(op) = entry_at(at) {
+                return Some(op);
+            }
+            let jump = (callee
+                .image
+                .code_at(at.0, 9)
+                .or_else(|| callee.image.code_at(at.0, 5)))
+            .and_then(|code| jump_target(code, target));
+            if let Some(next) = jump.filter(|&next| callee.range.contains(&next)) {
+                if let Some(op) = entry_at(callee.bias.to_svma(Avma(next))) {
+                    return Some(op);
+                }
             }
             if !callee.image.in_plt(at) {
                 return None;

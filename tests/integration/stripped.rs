@@ -6,9 +6,11 @@
 
 use std::path::Path;
 
+use memptrace::symbols::elf::ElfImage;
+use memptrace::symbols::locate;
 use memptrace::symbols::symbolize::Symbolizer;
 
-use crate::support::{Trace, Variant, trace_program, tracee};
+use crate::support::{Trace, Variant, trace, trace_program, tracee};
 
 const STATIC: [Variant; 3] = [Variant::Static, Variant::StaticPie, Variant::Musl];
 
@@ -174,4 +176,124 @@ fn no_rule_no_invented_frame() {
             }
         }
     }
+}
+
+/// The image as memptrace loads it (symbols, or signatures when stripped).
+fn load(path: &Path) -> ElfImage {
+    let bytes = std::fs::read(path).unwrap();
+    locate::load(path.to_str().unwrap(), &bytes).unwrap()
+}
+
+/// Stripped, a static binary is hooked where its unstripped build is: the
+/// signature sets give each function found its extent, and hold the
+/// mapping functions and glibc's thread-exit frees (housekeeping) too.
+#[test]
+fn stripped_static_binaries_hooked_as_built() {
+    for variant in STATIC {
+        for name in ["leaks", "threads", "mapping"] {
+            let built = load(&tracee(variant, name));
+            let stripped = load(&tracee(variant, name).with_file_name(format!("stripped-{name}")));
+            let what = format!("{variant:?} {name}");
+            assert!(built.has_symtab && !stripped.has_symtab, "{what}");
+            assert!(built.mappings.len() >= 4, "{what}: {:?}", built.mappings);
+            assert_eq!(stripped.mappings, built.mappings, "{what}");
+            // musl's `__libc_malloc` is a jump (no return address is ever
+            // inside it): its symbol names it, its code does not.
+            let bodies = |image: &ElfImage| {
+                let mut v = image.allocator_bodies.clone();
+                v.retain(|(range, _)| range.end - range.start > 5);
+                v.sort_by_key(|(range, _)| range.start);
+                v
+            };
+            assert_eq!(bodies(&stripped), bodies(&built), "{what}");
+            let mut housekeeping = stripped.housekeeping.clone();
+            housekeeping.sort_by_key(|r| r.start);
+            assert_eq!(housekeeping, built.housekeeping, "{what}");
+            assert_eq!(stripped.signature_gaps, Vec::<String>::new(), "{what}");
+            if variant.glibc() {
+                assert!(!built.housekeeping.is_empty(), "{what}");
+                // musl's `malloc` is a jump hooked at its target when stripped.
+                let entries = |image: &ElfImage| -> Vec<(u64, Vec<memptrace::event::Op>, u64)> {
+                    let e = image.allocators.iter();
+                    e.map(|a| (a.svma.0, a.ops.clone(), a.size)).collect()
+                };
+                assert_eq!(entries(&stripped), entries(&built), "{what}");
+            }
+        }
+    }
+}
+
+/// What stripping must not change in a trace: calls per op, the frees
+/// told apart as the allocator's housekeeping, and (`maps`) the mapping
+/// calls per function, the program's and the allocator's apart.
+fn counts(t: &Trace, maps: bool) -> Vec<(String, i64)> {
+    let mut sql = "SELECT 'event ' || op, count(*) FROM events GROUP BY op
+         UNION ALL SELECT key, CAST(value AS INTEGER) FROM meta WHERE key = 'housekeeping_frees'"
+        .to_string();
+    if maps {
+        sql += " UNION ALL SELECT 'map ' || op || ' ' || coalesce(by_allocator, 'program'),
+                 count(*) FROM map_events GROUP BY op, by_allocator";
+    }
+    let mut stmt = t.db.prepare(&format!("{sql} ORDER BY 1")).unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+}
+
+/// Traced, a stripped static binary gives the counts of its unstripped
+/// build: glibc's frees of a dead thread's cached blocks are housekeeping
+/// in both (threads.c, 4 threads), and the mapping calls are all there,
+/// the allocator's told apart (mapping.c). The threads' mapping calls are
+/// not compared: which thread gets a new arena depends on timing.
+#[test]
+fn stripped_static_binaries_count_as_built() {
+    for variant in STATIC {
+        for (name, args, maps) in [
+            ("threads", &["4", "5000"][..], false),
+            ("mapping", &[], true),
+        ] {
+            let what = format!("{variant:?} {name}");
+            let built = trace(variant, name, args, &[]);
+            assert_eq!(built.run.code(), 0, "{what}: {}", built.run.stderr);
+            let stripped = trace_path(variant, &format!("stripped-{name}"), args);
+            let want = counts(&built, maps);
+            assert_eq!(counts(&stripped, maps), want, "{what}");
+            let housekeeping = want.iter().find(|(k, _)| k == "housekeeping_frees");
+            let expected = if variant.glibc() && name == "threads" {
+                // Each thread's tcache at its exit, and the tcache itself.
+                assert!(
+                    housekeeping.is_some_and(|&(_, n)| n > 4),
+                    "{what}: {want:?}"
+                );
+                housekeeping.map(|&(_, n)| n)
+            } else {
+                Some(0)
+            };
+            assert_eq!(housekeeping.map(|&(_, n)| n), expected, "{what}");
+            assert_eq!(stripped.run.stderr, "", "{what}");
+            name_from(&stripped, &tracee(variant, name));
+            stripped.assert_truth();
+        }
+    }
+}
+
+/// Debian's busybox-static, stripped: its mapping functions are found by
+/// signature. `echo` makes three mapping calls: glibc's start-up makes its
+/// relocated data read-only (mprotect), and the first malloc grows the
+/// heap (sbrk, asking the break, then moving it).
+#[test]
+fn busybox_mapping_calls_by_signature() {
+    let t = trace_program(Path::new("/bin/busybox"), &["echo", "hi"], &[]);
+    t.assert_sound();
+    assert_eq!(t.run.code(), 0, "{}", t.run.stderr);
+    assert_eq!(t.run.stdout, "hi\n");
+    assert_eq!(t.run.stderr, "");
+    let maps: Vec<(String, i64)> = counts(&t, true)
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("map "))
+        .collect();
+    let want = [("map mprotect program", 1), ("map sbrk malloc", 2)];
+    let want: Vec<(String, i64)> = want.iter().map(|&(k, n)| (k.to_string(), n)).collect();
+    assert_eq!(maps, want);
 }

@@ -182,9 +182,9 @@ fn build_variant(variant: Variant) -> PathBuf {
 /// Static binaries as they ship (tests/integration/stripped.rs): built
 /// without unwind tables and without frame pointers (`nounwind`, from
 /// deep.c: CFI only in `.debug_frame`); `strip -s` copies of `leaks`,
-/// `deep` and `nounwind` (`stripped-*`: no symbol, no DWARF, no
-/// `.debug_frame`); and in `split/` the same stripped, each with its debug
-/// file beside it (`objcopy --only-keep-debug`, `--add-gnu-debuglink`).
+/// `deep`, `nounwind`, `threads` and `mapping` (`stripped-*`: no symbol, no
+/// DWARF, no `.debug_frame`); and in `split/` the first three stripped,
+/// each with its debug file beside it (`objcopy --only-keep-debug`, `--add-gnu-debuglink`).
 /// Stripping moves no code: the unstripped builds name the stripped ones'
 /// addresses. A static binary with no C library at all (`nolibc`) has no
 /// allocator to find.
@@ -222,6 +222,15 @@ fn stripped_builds(variant: Variant, dir: &Path) {
                 .arg(format!("--add-gnu-debuglink={}", debug.display()))
                 .arg(&stripped)
                 .arg(split.join(name)),
+        );
+    }
+    for name in ["threads", "mapping"] {
+        build(
+            Command::new("strip")
+                .arg("-s")
+                .arg("-o")
+                .arg(dir.join(format!("stripped-{name}")))
+                .arg(dir.join(name)),
         );
     }
     compile(

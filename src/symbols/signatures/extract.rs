@@ -22,6 +22,7 @@ use goblin::elf::{Elf, header, reloc, section_header, sym};
 
 use super::{Function, Library, Ref, SignatureError, ar};
 use crate::event::Op;
+use crate::symbols::names;
 
 /// A function definition in one member of the archive.
 struct Def {
@@ -40,8 +41,8 @@ impl Def {
     }
 }
 
-/// The set of the allocator functions of the archive `bytes`, and of the
-/// functions those jump to.
+/// The set of the allocator functions of the archive `bytes`, its mapping
+/// and housekeeping functions ([`names`]), and the functions those jump to.
 pub fn from_archive(bytes: &[u8], path: &Path) -> Result<Library, SignatureError> {
     let members = ar::members(bytes).map_err(SignatureError::Archive)?;
     let objects: Vec<Option<Elf>> = members
@@ -54,7 +55,13 @@ pub fn from_archive(bytes: &[u8], path: &Path) -> Result<Library, SignatureError
         .collect();
     let defs = definitions(&objects);
 
-    let mut wanted: Vec<String> = Op::ALL.iter().map(|o| o.name().to_string()).collect();
+    let mut wanted: Vec<String> = Op::ALL
+        .iter()
+        .map(|o| o.name())
+        .chain(names::MAPPING_NAMES.iter().map(|&(n, _)| n))
+        .chain(names::HOUSEKEEPING_NAMES)
+        .map(str::to_string)
+        .collect();
     let mut done: BTreeSet<String> = BTreeSet::new();
     let mut functions: Vec<Function> = Vec::new();
     let mut made: BTreeSet<(usize, usize, u64)> = BTreeSet::new();
@@ -212,18 +219,20 @@ fn function(elf: &Elf, bytes: &[u8], def: &Def) -> Option<Function> {
             *b = 0;
         }
     }
-    let names = [def.strong.clone(), def.others.clone()].concat();
-    let ops: Vec<Op> = names.iter().filter_map(|n| Op::from_name(n)).collect();
     let tail = tail_target(&code, &mask, &refs);
-    Some(Function {
-        names,
+    let mut f = Function {
+        names: [def.strong.clone(), def.others.clone()].concat(),
         strong: def.strong.len(),
-        ops,
+        ops: Vec::new(),
+        maps: Vec::new(),
+        housekeeping: false,
         code,
         mask,
         refs,
         tail,
-    })
+    };
+    f.classify();
+    Some(f)
 }
 
 /// The function a pure jump wrapper (`[endbr64] jmp target`) goes to.

@@ -13,11 +13,16 @@
 //! `__libc_malloc` are the same five bytes), at the function it jumps to:
 //! the jump leaves the caller's return address as it was, so the call is
 //! recorded the same.
+//!
+//! A function found spans the length of its code in the set: the extent a
+//! symbol would give it (for the allocator bodies and housekeeping ranges).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use super::{Function, Library};
-use crate::event::Op;
+use crate::event::{MapOp, Op};
+use crate::symbols::names;
 
 /// An executable segment of the image: its address and file bytes.
 #[derive(Clone, Copy, Debug)]
@@ -41,12 +46,27 @@ pub struct Hook {
     /// The op's own function, when it is a jump wrapper that could not be
     /// told apart and the hook is on its target.
     pub via: Option<String>,
+    /// The length of the code of `function`.
+    pub len: u64,
+}
+
+/// A mapping function found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapHook {
+    pub op: MapOp,
+    pub svma: u64,
+    pub function: String,
 }
 
 /// What one library's set found in an image.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Matches {
     pub hooks: Vec<Hook>,
+    pub maps: Vec<MapHook>,
+    /// The code of the housekeeping functions found.
+    pub housekeeping: Vec<Range<u64>>,
+    /// The code of the allocator bodies found ([`names::BODY_NAMES`]).
+    pub bodies: Vec<(Range<u64>, Op)>,
     /// Every function of the set found, by name, and how many functions
     /// of the set were searched.
     pub identified: Vec<(String, u64)>,
@@ -235,6 +255,7 @@ impl State<'_> {
                         svma,
                         function: name.to_string(),
                         via: None,
+                        len: self.len_at(svma),
                     });
                 }
                 continue;
@@ -254,14 +275,74 @@ impl State<'_> {
                     svma,
                     function,
                     via: Some(via),
+                    len: self.len_at(svma),
                 });
             }
         }
-        Matches {
+        let mut matches = Matches {
             hooks,
             identified,
             searched: self.lib.functions.len(),
+            ..Matches::default()
+        };
+        self.extents(&mut matches);
+        matches
+    }
+
+    /// The mapping functions, housekeeping functions and allocator bodies
+    /// found: each only where the set's functions that carry it agree on
+    /// one place.
+    fn extents(&self, m: &mut Matches) {
+        let found = || {
+            self.lib
+                .functions
+                .iter()
+                .zip(&self.found)
+                .filter_map(|(f, at)| Some((f, (*at)?)))
+        };
+        for op in MapOp::ALL {
+            let places: Vec<(&Function, u64)> =
+                found().filter(|(f, _)| f.maps.contains(&op)).collect();
+            if let Some(&(f, svma)) = places.first() {
+                if places.iter().all(|&(_, a)| a == svma) {
+                    m.maps.push(MapHook {
+                        op,
+                        svma,
+                        function: f.name().to_string(),
+                    });
+                }
+            }
         }
+        for (f, svma) in found() {
+            let range = svma..svma.saturating_add(f.code.len() as u64);
+            if f.housekeeping && !m.housekeeping.contains(&range) {
+                m.housekeeping.push(range);
+            }
+        }
+        // A body by the definition the linker chose, as a symbol table
+        // would name it (musl's lite_malloc defines `__libc_malloc_impl`
+        // weakly, mallocng strongly).
+        for &(name, op) in &names::BODY_NAMES {
+            if let Some(svma) = self.address_of(name) {
+                let range = svma..svma.saturating_add(self.len_at(svma));
+                if !m.bodies.contains(&(range.clone(), op)) {
+                    m.bodies.push((range, op));
+                }
+            }
+        }
+    }
+
+    /// The length of the code of the function found at `svma` (the longest,
+    /// should two of the set be found there).
+    fn len_at(&self, svma: u64) -> u64 {
+        self.lib
+            .functions
+            .iter()
+            .zip(&self.found)
+            .filter(|(_, at)| **at == Some(svma))
+            .map(|(f, _)| f.code.len() as u64)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Where the jump wrapper `f` leads: the first function along its chain
@@ -289,6 +370,8 @@ mod tests {
             names: names.iter().map(|s| s.to_string()).collect(),
             strong: names.len(),
             ops: ops.to_vec(),
+            maps: Vec::new(),
+            housekeeping: false,
             code: code.to_vec(),
             mask: mask.to_vec(),
             refs: Vec::new(),
@@ -341,6 +424,7 @@ mod tests {
                 svma: 0x1000,
                 function: "impl".into(),
                 via: Some("malloc".into()),
+                len: 16,
             }]
         );
 

@@ -13,6 +13,13 @@
 //! and also reads the machine's own `libc.a` files when present, so a binary
 //! linked on this machine matches even when its C library is another build.
 //!
+//! Besides the allocator, a set holds the C library's mapping functions
+//! (mmap, munmap, mremap, brk, sbrk, madvise, mprotect: `map_events`) and
+//! the functions that free a dead thread's cached blocks (glibc's
+//! `__malloc_arena_thread_freeres`: housekeeping, not the program's frees),
+//! each with its extent, the length of its code, so that a stripped binary
+//! is hooked and filtered as its unstripped build is.
+//!
 //! A function is only ever hooked on an unambiguous match: hooking some
 //! other function would record calls that never happened.
 
@@ -23,13 +30,17 @@ pub mod matcher;
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::event::Op;
+use crate::event::{MapOp, Op};
+use crate::symbols::names;
 
 /// The sets memptrace ships: `(file name, text)`.
 const SHIPPED: [(&str, &str); 2] = [
     ("glibc.sig", include_str!("glibc.sig")),
     ("musl.sig", include_str!("musl.sig")),
 ];
+
+/// The word that marks a housekeeping function in the text form.
+const HOUSEKEEPING: &str = "housekeeping";
 
 /// Where Debian puts the static C libraries (libc6-dev, musl-dev).
 pub const MACHINE_LIBCS: [&str; 3] = [
@@ -59,6 +70,11 @@ pub struct Function {
     pub strong: usize,
     /// The allocator ops among `names`.
     pub ops: Vec<Op>,
+    /// The mapping functions among `names`.
+    pub maps: Vec<MapOp>,
+    /// One of `names` frees the allocator's own blocks
+    /// ([`names::HOUSEKEEPING_NAMES`]).
+    pub housekeeping: bool,
     pub code: Vec<u8>,
     /// 0xff where `code` must match, 0 where the linker writes.
     pub mask: Vec<u8>,
@@ -80,12 +96,27 @@ pub struct Ref {
 }
 
 impl Function {
-    /// The function's own name: its op's, when it has one.
+    /// The function's own name: its op's or mapping function's, when it
+    /// has one.
     pub fn name(&self) -> &str {
         self.names
             .iter()
             .find(|n| Op::from_name(n).is_some())
+            .or_else(|| self.names.iter().find(|n| names::map_op(n).is_some()))
             .unwrap_or(&self.names[0])
+    }
+
+    /// What the function is, from its names: its ops, mapping functions
+    /// and whether it is housekeeping (`ops`, `maps`, `housekeeping`).
+    pub fn classify(&mut self) {
+        self.ops = self.names.iter().filter_map(|n| Op::from_name(n)).collect();
+        self.maps = Vec::new();
+        for op in self.names.iter().filter_map(|n| names::map_op(n)) {
+            if !self.maps.contains(&op) {
+                self.maps.push(op);
+            }
+        }
+        self.housekeeping = self.names.iter().any(|n| names::is_housekeeping(n));
     }
 
     /// Bytes that must match.
@@ -103,8 +134,10 @@ pub enum SignatureError {
 }
 
 impl Library {
-    /// The text form: one `function` line per function, then its `code`
-    /// (hex, `..` for a masked byte), `ref` and `tail` lines.
+    /// The text form: one `function` line per function (its names, strong
+    /// `|` weak, then what it is: allocator ops, mapping functions,
+    /// `housekeeping`, or `-`), then its `code` (hex, `..` for a masked
+    /// byte), `ref` and `tail` lines.
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -113,7 +146,11 @@ impl Library {
         );
         let _ = writeln!(out, "library {}", self.label);
         for f in &self.functions {
-            let ops: Vec<&str> = f.ops.iter().map(|o| o.name()).collect();
+            let mut ops: Vec<&str> = f.ops.iter().map(|o| o.name()).collect();
+            ops.extend(f.maps.iter().map(|m| m.name()));
+            if f.housekeeping {
+                ops.push(HOUSEKEEPING);
+            }
             let ops = if ops.is_empty() {
                 "-".to_string()
             } else {
@@ -162,14 +199,19 @@ impl Library {
             match key {
                 "library" => label = Some(rest.to_string()),
                 "function" => {
-                    let (names, ops) = rest.split_once(' ').ok_or_else(|| err("no ops"))?;
-                    let ops = if ops == "-" {
-                        Vec::new()
-                    } else {
-                        ops.split(',')
-                            .map(|o| Op::from_name(o).ok_or_else(|| err("unknown op")))
-                            .collect::<Result<_, _>>()?
-                    };
+                    let (names, kinds) = rest.split_once(' ').ok_or_else(|| err("no ops"))?;
+                    let (mut ops, mut maps, mut housekeeping) = (Vec::new(), Vec::new(), false);
+                    for kind in kinds.split(',').filter(|k| *k != "-") {
+                        if let Some(op) = Op::from_name(kind) {
+                            ops.push(op);
+                        } else if let Some(op) = names::map_op(kind) {
+                            maps.push(op);
+                        } else if kind == HOUSEKEEPING {
+                            housekeeping = true;
+                        } else {
+                            return Err(err("unknown op"));
+                        }
+                    }
                     let (strong, weak) = names.split_once('|').unwrap_or((names, ""));
                     let list = |s: &str| -> Vec<String> {
                         s.split(',')
@@ -182,6 +224,8 @@ impl Library {
                         strong: strong.len(),
                         names: [strong, list(weak)].concat(),
                         ops,
+                        maps,
+                        housekeeping,
                         code: Vec::new(),
                         mask: Vec::new(),
                         refs: Vec::new(),
@@ -285,6 +329,25 @@ mod tests {
                     "{name}: no {op}"
                 );
             }
+            for op in MapOp::ALL {
+                assert!(
+                    lib.functions.iter().any(|f| f.maps.contains(&op)),
+                    "{name}: no {op}"
+                );
+            }
+            // glibc's thread-exit frees; musl has no thread cache to free.
+            let housekeeping: Vec<&str> = lib
+                .functions
+                .iter()
+                .filter(|f| f.housekeeping)
+                .map(|f| f.name())
+                .collect();
+            let want: &[&str] = if name == "glibc.sig" {
+                &["__libc_thread_freeres", "__malloc_arena_thread_freeres"]
+            } else {
+                &[]
+            };
+            assert_eq!(housekeeping, want, "{name}");
         }
     }
 
@@ -296,6 +359,8 @@ mod tests {
                 names: vec!["free".into(), "__libc_free".into()],
                 strong: 1,
                 ops: vec![Op::Free],
+                maps: Vec::new(),
+                housekeeping: false,
                 code: vec![0xe9, 0, 0, 0, 0],
                 mask: vec![0xff, 0, 0, 0, 0],
                 refs: vec![Ref {
@@ -306,9 +371,46 @@ mod tests {
                 tail: Some("__free_impl".into()),
             }],
         };
+        let mut lib = lib;
+        lib.functions.push(Function {
+            names: vec!["__munmap".into(), "munmap".into()],
+            strong: 1,
+            ops: Vec::new(),
+            maps: vec![MapOp::Munmap],
+            housekeeping: false,
+            code: vec![0xb8, 0x0b, 0, 0, 0, 0x0f, 0x05],
+            mask: vec![0xff; 7],
+            refs: Vec::new(),
+            tail: None,
+        });
+        lib.functions.push(Function {
+            names: vec!["__malloc_arena_thread_freeres".into()],
+            strong: 1,
+            ops: Vec::new(),
+            maps: Vec::new(),
+            housekeeping: true,
+            code: vec![0xc3],
+            mask: vec![0xff],
+            refs: Vec::new(),
+            tail: None,
+        });
         let text = lib.to_text();
         assert!(text.contains("code e9........\n"), "{text}");
+        assert!(
+            text.contains("\nfunction __munmap|munmap munmap\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\nfunction __malloc_arena_thread_freeres| housekeeping\n"),
+            "{text}"
+        );
         assert_eq!(Library::from_text(&text).unwrap(), lib);
+        // classify() reads the same from the names.
+        for f in &lib.functions {
+            let mut again = f.clone();
+            again.classify();
+            assert_eq!(&again, f);
+        }
         assert!(matches!(
             Library::from_text("library x\ncode e9\n"),
             Err(SignatureError::Syntax { line: 2, .. })

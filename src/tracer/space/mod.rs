@@ -312,7 +312,13 @@ impl Space {
                 continue;
             }
             match self.add_image(&f, next_id) {
-                Ok(Some(module)) => changes.added.push(module),
+                Ok(Some(module)) => {
+                    let gaps = module.image.signature_gaps.iter();
+                    changes
+                        .warnings
+                        .extend(gaps.map(|gap| format!("{}: {gap}", f.path)));
+                    changes.added.push(module);
+                }
                 Ok(None) => {}
                 Err(err) => changes.warnings.push(format!("{}: {err}", f.path)),
             }
