@@ -15,7 +15,8 @@
 //! 4. walks the caller's stack with the unwind tables memptrace wrote into
 //!    the control area (CFA = rsp or rbp + offset; return address at
 //!    CFA - 8; rbp saved at a fixed distance below the CFA or unchanged),
-//!    reading nothing outside the thread's stack, into the ring past its head;
+//!    reading nothing outside the thread's stack, into the ring past its head,
+//!    through signal frames (see [`super::walk`]);
 //! 5. for `free`: finishes the record (sequence number, TSC, arguments) and
 //!    commits it by moving the head, then runs the displaced instructions;
 //!    for a call that returns a block: calls the displaced instructions, so
@@ -51,6 +52,7 @@ use iced_x86::{BlockEncoderOptions, Instruction};
 use super::labels::{Labels, arg_regs};
 use super::layout::{self, Called, dir, record, rule, slot};
 use super::liveness::if_gone_keeping;
+use super::walk::{cache_entry, signal_frame};
 use crate::event::Op;
 use crate::os::sentinel::TID_MASK;
 
@@ -297,6 +299,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.je(l.walked)?; // the outermost frame: the stack is whole
     a.cmp(eax, rule::NONE as i32)?;
     a.je(l.frame_pointer)?;
+    a.cmp(eax, rule::SIGNAL as i32)?;
+    a.je(l.signal)?;
     a.test(eax, eax)?;
     a.js(l.truncated)?; // a rule the walk cannot follow
     // CFA = base + offset, above the frame and inside the stack.
@@ -343,6 +347,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.test(r12, r12)?;
     a.jnz(l.frame)?;
     a.jmp(l.walked)?;
+    a.set_label(&mut l.signal)?;
+    signal_frame(&mut a, l.frame, l.truncated)?;
     a.set_label(&mut l.only_caller)?;
     a.mov(qword_ptr(r15), r12)?;
     a.add(r15, 8)?;
@@ -583,17 +589,5 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     a.lock().xadd(qword_ptr(rax), rcx)?;
     a.mov(qword_ptr(r11 + record::SEQ as i32), rcx)?;
     a.mov(qword_ptr(r10 + slot::HEAD as i32), r8)?;
-    Ok(())
-}
-
-/// `reg` = the entry of the thread's rule cache (r10: its slot) for the
-/// return address in r12: (address, rule), 16 bytes, direct-mapped by a
-/// Fibonacci hash.
-fn cache_entry(a: &mut CodeAssembler, reg: AsmRegister64) -> Result<(), IcedError> {
-    a.mov(reg, layout::HASH)?;
-    a.imul_2(reg, r12)?;
-    a.shr(reg, 64 - layout::CACHE_BITS)?;
-    a.shl(reg, 4)?;
-    a.add(reg, qword_ptr(r10 + slot::CACHE as i32))?;
     Ok(())
 }
