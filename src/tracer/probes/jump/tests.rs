@@ -12,6 +12,8 @@ use super::plan::{Plan, plan};
 use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
 
+mod signal;
+
 /// Offsets of the fake functions in the code mapping.
 const MALLOC: usize = 0x000;
 const FREE: usize = 0x040;
@@ -307,82 +309,6 @@ fn walks_the_stack_with_the_unwind_table() {
     assert_eq!(r.frames[0], rig.code.addr() + CALLER as u64 + 9);
     assert!(!code.contains(&r.frames[1]) && r.frames[1] != 0);
     assert_eq!(r.flags & record::TRUNCATED, record::TRUNCATED);
-}
-
-/// A handler entered as the kernel enters one: `[rsp]` returns into the
-/// signal-return trampoline, the interrupted registers above it. The walk
-/// reads them and goes on in the interrupted function (its address + 1).
-#[test]
-fn walks_through_a_signal_frame() {
-    const SIGTEST: usize = 0x200;
-    const HANDLER: usize = 0x300;
-    const RESTORE: usize = 0x380;
-    use crate::unwind::signal;
-    let mut rig = Rig::new();
-    rig.plant(MALLOC, Op::Malloc, 1);
-    let base = rig.code.addr();
-    // The trampoline: a nop (the byte its row covers), then rt_sigreturn.
-    rig.code.write(RESTORE, &[0x90]);
-    rig.code.write(RESTORE + 1, &signal::SIGRETURN);
-    let malloc = base + MALLOC as u64;
-    rig.function(HANDLER, |a| {
-        a.sub(rsp, 8)?;
-        a.call(malloc)?;
-        a.add(rsp, 8)?;
-        a.jmp(rbx) // back into SIGTEST
-    });
-    let (handler, restore) = (base + HANDLER as u64, base + RESTORE as u64 + 1);
-    let ctx = |at: u64| qword_ptr(rsp + 8 + at as i32);
-    rig.function(SIGTEST, |a| {
-        let mut interrupted = a.create_label();
-        let mut back = a.create_label();
-        a.push(rbp)?;
-        a.mov(rbp, rsp)?;
-        a.sub(rsp, 0x100)?;
-        a.mov(qword_ptr(rbp - 8), rbx)?;
-        a.mov(rax, restore)?;
-        a.mov(qword_ptr(rsp), rax)?;
-        a.lea(rax, ptr(interrupted))?;
-        a.mov(ctx(signal::RIP), rax)?;
-        a.mov(ctx(signal::RSP), rbp)?;
-        a.mov(ctx(signal::RBP), rbp)?;
-        a.lea(rbx, ptr(back))?;
-        a.mov(rax, handler)?;
-        a.jmp(rax)?;
-        a.set_label(&mut interrupted)?;
-        a.nop()?;
-        a.set_label(&mut back)?;
-        a.mov(rbx, qword_ptr(rbp - 8))?;
-        a.mov(rsp, rbp)?;
-        a.pop(rbp)?;
-        a.ret()
-    });
-    let (s, h, r) = (SIGTEST as u32, HANDLER as u32, RESTORE as u32);
-    let rbp_at_16 = 2 << rule::RBP_SHIFT;
-    rig.directory(&[
-        (s, 8),
-        (s + 1, 16 | rbp_at_16),
-        (s + 4, 16 | rule::RBP_BASED | rbp_at_16),
-        (s + 0x80, rule::NONE),
-        (h, 8),
-        (h + 4, 16),
-        (h + 0x20, rule::NONE),
-        (r, rule::SIGNAL),
-        (r + 1, rule::NONE),
-    ]);
-    assert_eq!(rig.call(SIGTEST, 6, 0, 0), 0x1006);
-    let records = rig.records();
-    assert_eq!(records.len(), 1);
-    let f = &records[0].frames;
-    assert_eq!(f.len(), 4, "{f:x?}");
-    assert_eq!(f[0], handler + 9, "after the handler's call");
-    assert_eq!(f[1], restore);
-    // The interrupted nop, + 1; then the return address into the test.
-    let mut nop = [0u8];
-    rig.code.read((f[2] - 1 - base) as usize, &mut nop);
-    assert_eq!(nop, [0x90], "{:x}", f[2] - base);
-    assert!((base + SIGTEST as u64..base + HANDLER as u64).contains(&f[2]));
-    assert!(!(base..base + rig.code.len() as u64).contains(&f[3]) && f[3] != 0);
 }
 
 #[test]

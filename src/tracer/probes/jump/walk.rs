@@ -1,5 +1,6 @@
-//! Parts of a jump probe's stack walk (see [`super::code`]): the thread's
-//! cache of rules, and the step through a signal frame.
+//! Parts of a jump probe (see [`super::code`]): finding a thread's slot,
+//! and, in its stack walk, the thread's cache of rules and the step
+//! through a signal frame.
 //!
 //! Registers of the walk: r12 the frame's address (a return address, or
 //! an interrupted address + 1), r13 its CFA so far (its stack pointer), r14
@@ -9,6 +10,30 @@ use iced_x86::code_asm::*;
 
 use super::layout::{self, slot};
 use crate::unwind::signal;
+
+/// r10 = the slot whose key is rax (the key of a thread: see
+/// [`layout::key_of`]), and on at `found`; falls through when none of the
+/// `PROBES` slots from its home has it. Clobbers r11.
+pub(super) fn find_slot(
+    a: &mut CodeAssembler,
+    control: u64,
+    found: CodeLabel,
+) -> Result<(), IcedError> {
+    a.mov(r11, layout::HASH)?;
+    a.imul_2(r11, rax)?;
+    a.shr(r11, 64 - layout::SLOT_BITS)?;
+    a.shl(r11, layout::SLOT_SIZE.trailing_zeros())?;
+    a.mov(r10, control + layout::HEADER_SIZE)?;
+    a.add(r10, r11)?;
+    for i in 0..layout::PROBES {
+        a.cmp(qword_ptr(r10 + slot::KEY as i32), rax)?;
+        a.je(found)?;
+        if i + 1 < layout::PROBES {
+            a.add(r10, layout::SLOT_SIZE as i32)?;
+        }
+    }
+    Ok(())
+}
 
 /// `reg` = the entry of the thread's rule cache (r10: its slot) for the
 /// return address in r12: (address, rule), 16 bytes, direct-mapped by a
