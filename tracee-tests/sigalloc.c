@@ -8,9 +8,11 @@
  * while an interval timer fires SIGALRM every 50 us (or as told); the handler allocates
  * and frees (handler_alloc, handler_release) and counts its calls. The main
  * thread's calls are all outermost: each is recorded. A handler's call is
- * recorded unless it interrupted one of the thread's allocator calls (or
- * memptrace's code serving one), when it is counted in meta.nested_calls
- * instead: together they add up exactly. Nothing may be lost or corrupted.
+ * recorded unless it interrupted one of the thread's allocator functions
+ * (or, with int3 probes, memptrace's code serving a call), when it is
+ * counted in meta.nested_calls instead: together they add up exactly. With
+ * jump probes, a handler's call inside a probe is recorded (the thread's
+ * signal slot). Nothing may be lost or corrupted.
  *
  * usage: sigalloc [ITERATIONS [INTERVAL_US]]     (default 200000, 50) */
 #include <signal.h>

@@ -48,6 +48,11 @@ pub struct TraceInfo {
     pub damaged_slots: u64,
     #[serde(skip_serializing_if = "is_zero")]
     pub dropped_slots: u64,
+    /// Allocator calls not recorded: made inside another allocator call of
+    /// their thread, or by a signal handler that interrupted one (`meta`
+    /// row `nested_calls`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub nested_calls: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -82,6 +87,7 @@ impl TraceInfo {
             damaged_records: number("damaged_records")?,
             damaged_slots: number("damaged_slots")?,
             dropped_slots: number("dropped_slots")?,
+            nested_calls: number("nested_calls")?,
         })
     }
 }

@@ -349,6 +349,14 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
             count(t.dropped_slots),
         );
     }
+    if t.nested_calls > 0 {
+        let _ = writeln!(
+            out,
+            "  nested     {} allocator calls made inside another of their thread, or by a \
+             signal handler that interrupted one, not recorded",
+            count(t.nested_calls),
+        );
+    }
     // Blocks found live at attach are events, but no call was seen.
     let inventory = summary
         .functions

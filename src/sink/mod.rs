@@ -72,6 +72,9 @@ pub enum Trust {
     Cfi,
     /// The callee's frame pointer (`rbp`), where no CFI covers it.
     FramePointer,
+    /// The registers the kernel saved in a signal frame: the code a signal
+    /// handler interrupted (the frame after the signal-return trampoline).
+    Signal,
 }
 
 impl Trust {
@@ -81,6 +84,7 @@ impl Trust {
             Trust::Context => "context",
             Trust::Cfi => "cfi",
             Trust::FramePointer => "frame pointer",
+            Trust::Signal => "signal",
         }
     }
 }

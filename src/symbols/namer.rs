@@ -273,7 +273,18 @@ fn name(
             .map(|f| f.ip.wrapping_sub(1).wrapping_sub(module.base))
             .collect();
         let path = module.path.trim_end_matches(" (deleted)");
-        let names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
+        let mut names = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &probes);
+        // A frame nothing covers just before it, but something at it: the
+        // signal-return trampoline (`__restore_rt`), where a handler
+        // returns to without a call, preceded by padding no symbol covers.
+        let unnamed: Vec<usize> = (0..names.len()).filter(|&i| names[i].is_empty()).collect();
+        if !unnamed.is_empty() {
+            let at: Vec<u64> = unnamed.iter().map(|&i| probes[i].wrapping_add(1)).collect();
+            let again = symbolizer.symbolize(Path::new(path), module.build_id.as_deref(), &at);
+            for (i, lines) in unnamed.into_iter().zip(again) {
+                names[i] = lines;
+            }
+        }
         let file = crate::report::stacks::file_name(&module.path);
         out.extend(frames.iter().zip(names).filter_map(|(frame, lines)| {
             // The function whose machine code holds the call: the

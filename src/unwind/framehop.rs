@@ -2,9 +2,10 @@
 //! without .eh_frame_hdr, which `gcc -static` binaries lack: framehop indexes
 //! the FDEs itself) and .debug_frame (appended to .eh_frame in its format:
 //! framehop would read .debug_frame only for an image without .eh_frame),
-//! frame pointers where no CFI covers an address.
+//! frame pointers where no CFI covers an address, and through signal
+//! frames by the context the kernel saved (see [`super::signal`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -12,6 +13,7 @@ use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
 use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder as _};
 
 use super::debug_frame::{eh_frame_end, to_eh_frame};
+use super::signal;
 use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 
 pub struct FramehopUnwinder {
@@ -22,6 +24,8 @@ pub struct FramehopUnwinder {
     /// memptrace's trampoline areas in the process: a return address in one
     /// is a probe's call stub, to step over (see [`FramehopUnwinder::unwind`]).
     trampolines: Vec<Range<u64>>,
+    /// The signal-return trampolines of the images (runtime addresses).
+    sigreturns: BTreeSet<u64>,
 }
 
 impl Default for FramehopUnwinder {
@@ -37,6 +41,7 @@ impl FramehopUnwinder {
             cache: CacheX86_64::new(),
             starts: BTreeMap::new(),
             trampolines: Vec::new(),
+            sigreturns: BTreeSet::new(),
         }
     }
 
@@ -86,11 +91,21 @@ impl Unwinder for FramehopUnwinder {
         );
         self.unwinder.add_module(module);
         self.starts.insert(mapped.range.start, mapped.range.end);
+        let bias = mapped.bias.0;
+        self.sigreturns.extend(
+            signal::trampolines(image)
+                .into_iter()
+                .map(|svma| svma.wrapping_add(bias)),
+        );
     }
 
     fn remove_image(&mut self, range: Range<u64>) {
         if self.starts.remove(&range.start).is_some() {
             self.unwinder.remove_module(range.start);
+            let gone: Vec<u64> = self.sigreturns.range(range).copied().collect();
+            for at in gone {
+                self.sigreturns.remove(&at);
+            }
         }
     }
 
@@ -108,8 +123,15 @@ impl Unwinder for FramehopUnwinder {
         let mut read = |addr: u64| sample.read_u64(addr).ok_or(());
         let mut ip = sample.ip;
         let mut taken = 0;
+        // The frame at `ip` is one a signal interrupted: `ip` is its
+        // address + 1, exact, not a return address.
+        let mut interrupted = false;
         while taken < max {
             if self.trampolines.iter().any(|a| a.contains(&ip)) {
+                if interrupted {
+                    // memptrace's own code, interrupted: no rule for it.
+                    return WalkEnd::Failed;
+                }
                 // A hooked function called through a probe's stub (`lea rsp,
                 // [rsp-8]; call`) returns here, into memptrace's code: the
                 // word below the caller's return address is the stub's, the
@@ -125,8 +147,25 @@ impl Unwinder for FramehopUnwinder {
             }
             out.push(ip);
             taken += 1;
-            let Some(address) = FrameAddress::from_return_address(ip) else {
-                return WalkEnd::Failed;
+            if self.sigreturns.contains(&ip) {
+                // A handler returns here: the interrupted code's registers
+                // are above its frame, the CFA framehop found for it.
+                let Some((next, sp, bp)) = signal::interrupted(regs.sp(), |a| sample.read_u64(a))
+                else {
+                    return WalkEnd::Failed;
+                };
+                regs = UnwindRegsX86_64::new(next - 1, sp, bp);
+                ip = next;
+                interrupted = true;
+                continue;
+            }
+            let address = if std::mem::take(&mut interrupted) {
+                FrameAddress::from_instruction_pointer(ip - 1)
+            } else {
+                match FrameAddress::from_return_address(ip) {
+                    Some(address) => address,
+                    None => return WalkEnd::Failed,
+                }
             };
             match self
                 .unwinder

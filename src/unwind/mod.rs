@@ -15,6 +15,7 @@ pub mod framehop;
 pub mod intern;
 pub mod libunwind;
 pub mod pipeline;
+pub mod signal;
 pub mod tables;
 pub mod vet;
 

@@ -9,7 +9,10 @@
 //! unchanged or saved at CFA - 8k. Every CFI row that says anything else
 //! (a CFA expression, as in PLT entries; a return address elsewhere) gets
 //! the rule "none", where a stack walk stops, and so does every address no
-//! FDE covers: a walk never guesses.
+//! FDE covers: a walk never guesses. The one exception is the signal-return
+//! trampoline, whose CFI is an expression: its row gets the rule "signal",
+//! which the walk follows by the context the kernel saved (see
+//! [`super::signal`]).
 
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, LittleEndian, RegisterRule,
@@ -40,6 +43,11 @@ pub mod rule {
     /// expression, as in PLT entries): the stack ends here, marked
     /// truncated.
     pub const UNSUPPORTED: u32 = NONE | 2;
+    /// A return address into the signal-return trampoline (the row covers
+    /// the byte before it, where such an address is looked up): the
+    /// caller's frame is the interrupted code's, whose rip, rsp and rbp are
+    /// at CFA + [`super::super::signal::RIP`], `RSP` and `RBP`.
+    pub const SIGNAL: u32 = NONE | 3;
 }
 
 /// Rows sorted by key: `keys[i]` is the SVMA where `rules[i]` starts.
@@ -86,7 +94,22 @@ pub fn build(image: &ElfImage) -> UnwindTable {
         more.retain(|&(start, _, _)| !in_ranges(&covered, start));
         rows.extend(more);
     }
+    for at in super::signal::trampolines(image) {
+        if let Some(before) = at.checked_sub(1) {
+            set_rule(&mut rows, before, rule::SIGNAL);
+        }
+    }
     compact(rows)
+}
+
+/// Give the byte at `at` the rule `rule`, splitting the row that covers it.
+fn set_rule(rows: &mut Vec<(u64, u64, u32)>, at: u64, rule: u32) {
+    if let Some(i) = rows.iter().position(|&(s, e, _)| s <= at && at < e) {
+        let (start, end, old) = rows.swap_remove(i);
+        rows.push((start, at, old));
+        rows.push((at + 1, end, old));
+    }
+    rows.push((at, at + 1, rule));
 }
 
 fn rows_of_debug_frame(section: &SectionData, rows: &mut Vec<(u64, u64, u32)>) {
@@ -294,5 +317,9 @@ mod tests {
             .find(|a| a.ops.contains(&crate::event::Op::Malloc));
         let svma = malloc.unwrap().svma.0 as u32;
         assert_eq!(table.rule_at(svma), Some(8));
+        // __restore_rt: a return address into it finds the signal rule.
+        let restore = crate::unwind::signal::trampolines(&image)[0] as u32;
+        assert_eq!(table.rule_at(restore - 1), Some(rule::SIGNAL));
+        assert_ne!(table.rule_at(restore), Some(rule::SIGNAL));
     }
 }

@@ -4,24 +4,23 @@
 //! The first frame is the return address read at the allocator's entry,
 //! exact. Every frame after it must be a return address into the
 //! executable code of a mapped image, just after a call instruction (or the
-//! start of the kernel's signal-return trampoline, which a signal handler
-//! "returns" to). The first frame that is not ends the stack, and the stack
-//! counts as truncated. Each frame says how it was found ([`Trust`]): from the
-//! registers at the entry, by the CFI of its callee's code, or by the
-//! callee's frame pointer where no CFI covers that code (which code compiled
-//! without frame pointers makes unreliable), as crash reporters say it
+//! start of the C library's signal-return trampoline, which a signal handler
+//! "returns" to; the frame after one is the interrupted code's, stored as
+//! its address + 1: see [`super::signal`]). The first frame that is not
+//! ends the stack, and the stack counts as truncated. Each frame says how it
+//! was found ([`Trust`]): from the registers at the entry, by the CFI of its
+//! callee's code, by the callee's frame pointer where no CFI covers that
+//! code (which code compiled without frame pointers makes unreliable), or
+//! from a signal frame, as crash reporters say it
 //! (breakpad: "found by call frame info", "found by previous frame's frame
 //! pointer").
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl};
 
 use super::MappedImage;
+use super::signal::SIGRETURN;
 use crate::addr::{Avma, Svma};
 pub use crate::sink::Trust;
-
-/// `mov $15, %rax; syscall`: rt_sigreturn, the `sa_restorer` of glibc and
-/// musl (`__restore_rt`), where a signal handler returns to.
-const SIGRETURN: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05];
 
 /// Check `ips` (innermost first) against the images (`image_at`): cut it at
 /// the first frame that is not a return address, and fill `trust` with how
@@ -41,6 +40,15 @@ pub fn vet<'a>(
     trust.push(Trust::Context);
     for i in 1..ips.len() {
         let image = image_at(ips[i]);
+        if is_signal_return(ips[i - 1], image_at(ips[i - 1])) {
+            // The interrupted code: any instruction of an image's code.
+            if !in_code(ips[i].wrapping_sub(1), image) {
+                ips.truncate(i);
+                return true;
+            }
+            trust.push(Trust::Signal);
+            continue;
+        }
         let key = (image.map_or(u64::MAX, |m| m.module_id), ips[i]);
         if !known.contains(&key) {
             if !is_return_address(ips[i], image) {
@@ -67,18 +75,25 @@ pub fn vet<'a>(
 /// True when `ip` is in an executable segment of `image`, just after a call
 /// instruction (or at a signal-return trampoline).
 pub fn is_return_address(ip: u64, image: Option<&MappedImage>) -> bool {
-    let Some(m) = image else {
-        return false;
-    };
+    code_at(ip, image)
+        .is_some_and(|(code, at)| code[at..].starts_with(&SIGRETURN) || after_call(code, at))
+}
+
+/// True when `ip` is the start of a signal-return trampoline.
+pub fn is_signal_return(ip: u64, image: Option<&MappedImage>) -> bool {
+    code_at(ip, image).is_some_and(|(code, at)| code[at..].starts_with(&SIGRETURN))
+}
+
+fn in_code(ip: u64, image: Option<&MappedImage>) -> bool {
+    code_at(ip, image).is_some()
+}
+
+/// The executable segment of `image` holding `ip`, and `ip`'s offset in it.
+fn code_at(ip: u64, image: Option<&MappedImage>) -> Option<(&[u8], usize)> {
+    let m = image?;
     let Svma(svma) = m.bias.to_svma(Avma(ip));
-    let Some(seg) = m.image.code.iter().find(|s| s.svma.contains(&svma)) else {
-        return false;
-    };
-    let at = (svma - seg.svma.start) as usize;
-    if seg.data[at..].starts_with(&SIGRETURN) {
-        return true;
-    }
-    after_call(&seg.data, at)
+    let seg = m.image.code.iter().find(|s| s.svma.contains(&svma))?;
+    Some((&seg.data, (svma - seg.svma.start) as usize))
 }
 
 /// True when some call instruction ends exactly at `code[at]` (x86-64

@@ -25,6 +25,49 @@ fn stacks_libunwind() {
     }
 }
 
+/// A signal handler's allocation: its stack goes on through the signal
+/// frame (the C library's `__restore_rt`) into the code the signal
+/// interrupted, to `main`, whichever probes caught it (framehop over a
+/// stack copy with int3 probes, the probes' own walk with jump probes);
+/// the interrupted frame is read from the signal frame (`stacks.trust` =
+/// `signal`).
+#[test]
+fn stacks_go_through_signal_frames() {
+    for variant in VARIANTS {
+        let t = trace(variant, "sigstack", &["5"], &[]);
+        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
+        t.assert_truth();
+        let stacks = t.stacks_from("handler_malloc", "malloc");
+        assert_eq!(stacks.len(), 1, "{variant:?}: {stacks:?}");
+        let functions = t.stack_functions(stacks[0]);
+        assert_eq!(
+            functions[..5],
+            [
+                "handler_malloc",
+                "on_signal",
+                "__restore_rt",
+                "signal_here",
+                "main"
+            ],
+            "{variant:?}: {functions:?}"
+        );
+        let trust = t.stack_trust(stacks[0]);
+        assert_eq!(
+            trust[..5],
+            ["context", "cfi", "cfi", "signal", "cfi"],
+            "{variant:?}"
+        );
+        // musl's C library has no CFI: its stacks end in it, truncated,
+        // the handler's as the others (past main, not at the signal).
+        let truncated = if variant.glibc() { 0 } else { 10 };
+        assert_eq!(
+            t.meta("truncated_stacks").as_deref(),
+            Some(truncated.to_string().as_str()),
+            "{variant:?}"
+        );
+    }
+}
+
 #[test]
 fn max_depth_limits_stacks() {
     let t = trace(Variant::Dynamic, "deep", &[], &["--max-depth", "5"]);

@@ -8,14 +8,16 @@
 //!    a thread without a slot traps (`int3`) for memptrace to give it one,
 //!    unless memptrace is gone (below);
 //! 2. records nothing for a call made inside the thread's outermost call in
-//!    progress (realloc entering malloc), for a signal handler's call made
-//!    while a probe of the thread was running, and for a vfork child;
+//!    progress (realloc entering malloc) and for a vfork child; a signal
+//!    handler's call made while a probe of the thread was running goes to
+//!    the thread's signal slot (see [`layout::SIGNAL_KEY`]);
 //! 3. waits (futex) while its ring has no room for a record: nothing is
 //!    ever dropped while memptrace is there;
 //! 4. walks the caller's stack with the unwind tables memptrace wrote into
 //!    the control area (CFA = rsp or rbp + offset; return address at
 //!    CFA - 8; rbp saved at a fixed distance below the CFA or unchanged),
-//!    reading nothing outside the thread's stack, into the ring past its head;
+//!    reading nothing outside the thread's stack, into the ring past its head,
+//!    through signal frames (see [`super::walk`]);
 //! 5. for `free`: finishes the record (sequence number, TSC, arguments) and
 //!    commits it by moving the head, then runs the displaced instructions;
 //!    for a call that returns a block: calls the displaced instructions, so
@@ -51,6 +53,7 @@ use iced_x86::{BlockEncoderOptions, Instruction};
 use super::labels::{Labels, arg_regs};
 use super::layout::{self, Called, dir, record, rule, slot};
 use super::liveness::if_gone_keeping;
+use super::walk::{cache_entry, find_slot, signal_frame};
 use crate::event::Op;
 use crate::os::sentinel::TID_MASK;
 
@@ -123,19 +126,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     if map {
         a.bts(rax, 63)?; // layout::MAP_KEY
     }
-    a.mov(r11, layout::HASH)?;
-    a.imul_2(r11, rax)?;
-    a.shr(r11, 64 - layout::SLOT_BITS)?;
-    a.shl(r11, layout::SLOT_SIZE.trailing_zeros())?;
-    a.mov(r10, spec.control + layout::HEADER_SIZE)?;
-    a.add(r10, r11)?;
-    for i in 0..layout::PROBES {
-        a.cmp(qword_ptr(r10 + slot::KEY as i32), rax)?;
-        a.je(l.found)?;
-        if i + 1 < layout::PROBES {
-            a.add(r10, layout::SLOT_SIZE as i32)?;
-        }
-    }
+    find_slot(&mut a, spec.control, l.found)?;
     // No slot: memptrace gives it one at the int3, if memptrace is there.
     if_gone_keeping(&mut a, spec.control, l.let_through, map)?;
     a.set_label(&mut l.miss)?;
@@ -148,7 +139,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.test(r11, r11)?;
     a.jz(l.claim)?;
     a.cmp(rsp, r11)?;
-    a.jb(l.skip_nested)?;
+    a.jb(if map { l.skip_nested } else { l.in_probe })?;
     a.set_label(&mut l.claim)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
     a.test(byte_ptr(r10 + slot::FLAGS as i32), 1)?;
@@ -297,6 +288,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.je(l.walked)?; // the outermost frame: the stack is whole
     a.cmp(eax, rule::NONE as i32)?;
     a.je(l.frame_pointer)?;
+    a.cmp(eax, rule::SIGNAL as i32)?;
+    a.je(l.signal)?;
     a.test(eax, eax)?;
     a.js(l.truncated)?; // a rule the walk cannot follow
     // CFA = base + offset, above the frame and inside the stack.
@@ -343,6 +336,8 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.test(r12, r12)?;
     a.jnz(l.frame)?;
     a.jmp(l.walked)?;
+    a.set_label(&mut l.signal)?;
+    signal_frame(&mut a, l.frame, l.truncated)?;
     a.set_label(&mut l.only_caller)?;
     a.mov(qword_ptr(r15), r12)?;
     a.add(r15, 8)?;
@@ -430,6 +425,17 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     a.set_label(&mut l.release)?;
     a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
     a.jmp(l.displaced)?;
+    // A signal handler's call inside a probe of the thread: its own slot,
+    // once (see `layout::SIGNAL_KEY`); rax holds the key.
+    if !map {
+        a.set_label(&mut l.in_probe)?;
+        a.bt(rax, 62)?;
+        a.jc(l.skip_nested)?;
+        a.mov(r9, r10)?;
+        a.bts(rax, 62)?;
+        find_slot(&mut a, spec.control, l.found)?;
+        a.mov(r10, r9)?; // no signal slot: counted in the interrupted one's
+    }
     a.set_label(&mut l.skip_nested)?;
     a.inc(qword_ptr(r10 + slot::NESTED as i32))?;
     a.jmp(l.displaced)?;
@@ -583,17 +589,5 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
     a.lock().xadd(qword_ptr(rax), rcx)?;
     a.mov(qword_ptr(r11 + record::SEQ as i32), rcx)?;
     a.mov(qword_ptr(r10 + slot::HEAD as i32), r8)?;
-    Ok(())
-}
-
-/// `reg` = the entry of the thread's rule cache (r10: its slot) for the
-/// return address in r12: (address, rule), 16 bytes, direct-mapped by a
-/// Fibonacci hash.
-fn cache_entry(a: &mut CodeAssembler, reg: AsmRegister64) -> Result<(), IcedError> {
-    a.mov(reg, layout::HASH)?;
-    a.imul_2(reg, r12)?;
-    a.shr(reg, 64 - layout::CACHE_BITS)?;
-    a.shl(reg, 4)?;
-    a.add(reg, qword_ptr(r10 + slot::CACHE as i32))?;
     Ok(())
 }

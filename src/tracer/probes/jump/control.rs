@@ -326,11 +326,14 @@ impl Control {
     }
 
     /// Give thread `tid` (thread pointer `tp`, stack mapping `stack`) a
-    /// slot where its probes find it, and one for its mapping calls when
-    /// they have probes; `None` when every slot it could use is taken. A
+    /// slot where its probes find it, one for its signal handlers' calls
+    /// made inside a probe (see [`layout::SIGNAL_KEY`]), and one for its
+    /// mapping calls when they have probes; `None` when every slot it could use is taken. A
     /// slot it has already is left as it is (a call may be in progress).
     pub fn register(&mut self, tid: Tid, tp: u64, stack: Range<u64>) -> Option<usize> {
         let calls = self.register_key(tid, layout::key_of(tp), stack.clone());
+        // Without it, a handler's call inside a probe is counted as nested.
+        let _ = self.register_key(tid, layout::signal_key_of(tp), stack.clone());
         if self.maps {
             self.register_key(tid, layout::map_key_of(tp), stack)?;
         }

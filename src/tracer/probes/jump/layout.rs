@@ -130,6 +130,16 @@ pub mod slot {
 /// own. A thread pointer never has bit 63 set.
 pub const MAP_KEY: u64 = 1 << 63;
 
+/// Set in the key of a thread's signal slot: an allocator call of a signal
+/// handler that interrupted one of the thread's probes (its slot busy, with
+/// a stack pointer above the handler's) is recorded there, with a ring, a
+/// pending call and arguments of its own, while the interrupted probe's
+/// record waits past its own slot's head. One level: a handler inside a
+/// handler's probe is counted in `nested_calls`, as is a handler's call
+/// made while the function itself runs (it cannot be told from a call the
+/// function makes). A thread pointer never has bit 62 set.
+pub const SIGNAL_KEY: u64 = 1 << 62;
+
 /// Directories: `DIR_COUNT` of them, used in turn, each a count then sorted
 /// entries.
 pub const DIRS: u64 = (HEADER_SIZE + (SLOTS + PROBES) * SLOT_SIZE).next_multiple_of(4096);
@@ -273,6 +283,12 @@ pub fn key_of(tp: u64) -> u64 {
 /// The key of the slot a thread's mapping calls use (see [`MAP_KEY`]).
 pub fn map_key_of(tp: u64) -> u64 {
     key_of(tp) | MAP_KEY
+}
+
+/// The key of the slot a thread's signal handlers use inside its probes
+/// (see [`SIGNAL_KEY`]).
+pub fn signal_key_of(tp: u64) -> u64 {
+    key_of(tp) | SIGNAL_KEY
 }
 
 /// Where a slot with key `key` is first looked for (the probe computes the

@@ -13,6 +13,7 @@ mod labels;
 pub mod layout;
 pub mod liveness;
 pub mod plan;
+mod walk;
 
 #[cfg(test)]
 mod tests;

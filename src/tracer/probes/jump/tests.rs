@@ -12,6 +12,8 @@ use super::plan::{Plan, plan};
 use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
 
+mod signal;
+
 /// Offsets of the fake functions in the code mapping.
 const MALLOC: usize = 0x000;
 const FREE: usize = 0x040;
