@@ -33,10 +33,10 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 22] = [
+const TRACEES: [&str; 23] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
     "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping", "resident", "heapmap",
-    "spawner", "scribble", "cnames", "execs",
+    "spawner", "scribble", "cnames", "execs", "clib",
 ];
 
 /// Tracees of the heap walker's untrusted input and of the attach's pauses.
