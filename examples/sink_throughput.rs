@@ -62,6 +62,7 @@ fn stack_records(rng: &mut Rng) -> (Vec<Record>, Vec<u64>) {
         end: base + 0x40_0000,
         base,
         loaded_ns: 0,
+        static_exe: false,
     })];
     let mut leaves = Vec::new();
     let mut next_node = 1u64;

@@ -13,6 +13,14 @@
 //!   one of [`BUILTIN`], or matches a regular expression the user gave
 //!   (`--wrapper`, searched in the demangled name: `^xmalloc$`).
 //!
+//! A static executable has the C library linked in, so its module says
+//! nothing: there a frame is the C library's, as one of `libc.so.6` is,
+//! when its function is one of the C library's ([`CLIB_FUNCTIONS`]: every
+//! function of glibc's and musl's `libc.a` and `crt1.o`) and it has no
+//! source line (those archives carry no debug information; the program's
+//! own code built with `-g` does). So `puts` allocating its stdout buffer
+//! is charged to the function that called `puts`, static or dynamic.
+//!
 //! Inlined lines of a frame are wrappers by the same names (a C++
 //! `std::__new_allocator<T>::allocate` inlined into the caller's code): they
 //! do not make the frame a wrapper, since the frame's code is the caller's,
@@ -22,7 +30,30 @@
 //! report applies the same rule to the names it reads, with the regular
 //! expressions given to the trace (`meta` rows `wrapper.N`) and its own.
 
+use std::collections::HashSet;
+use std::sync::OnceLock;
+
 use regex::RegexSet;
+
+/// The functions of Debian's static C libraries, one name a line (`#`
+/// lines are comments), made by `scripts/signatures`.
+pub const CLIB_FUNCTIONS: &str = include_str!("symbols/signatures/clib.names");
+
+/// True when `function` is one of [`CLIB_FUNCTIONS`], or a part of one that
+/// the compiler split off (`_IO_new_file_overflow.cold`).
+pub fn is_c_library_function(function: &str) -> bool {
+    static NAMES: OnceLock<HashSet<&'static str>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        CLIB_FUNCTIONS
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .collect()
+    });
+    names.contains(function)
+        || function
+            .split_once('.')
+            .is_some_and(|(base, _)| names.contains(base))
+}
 
 /// Names of the allocator's entry points and wrappers, as regular
 /// expressions over demangled names. Anchored: `operator new` matches
@@ -118,6 +149,19 @@ impl Wrappers {
     pub fn is_allocator_frame(&self, module: Option<&str>, function: Option<&str>) -> bool {
         module.is_some_and(is_allocator_library) || function.is_some_and(|f| self.is_wrapper(f))
     }
+
+    /// The same for a frame of a static executable, whose C library is in
+    /// the module: also when its function is the C library's and it has
+    /// no source file (`file`, of the function whose code holds the call).
+    pub fn is_allocator_frame_of_static(
+        &self,
+        module: Option<&str>,
+        function: Option<&str>,
+        file: Option<&str>,
+    ) -> bool {
+        self.is_allocator_frame(module, function)
+            || (file.is_none() && function.is_some_and(is_c_library_function))
+    }
 }
 
 /// `--wrapper` values: each must be a regular expression.
@@ -208,5 +252,40 @@ mod tests {
         assert!(w.is_allocator_frame(None, Some("xmalloc")));
         assert!(!w.is_allocator_frame(Some("app"), Some("main")));
         assert!(!w.is_allocator_frame(None, None));
+    }
+
+    #[test]
+    fn c_library_functions_in_a_static_executable() {
+        let w = Wrappers::builtin();
+        // glibc's stdio, its start-up, musl's, and crt1.o's _start.
+        for f in [
+            "puts",
+            "_IO_file_doallocate",
+            "_IO_new_file_overflow",
+            "_IO_new_file_overflow.cold",
+            "__libc_start_call_main",
+            "__fdopen",
+            "_start",
+        ] {
+            assert!(is_c_library_function(f), "{f}");
+            assert!(
+                w.is_allocator_frame_of_static(Some("prog"), Some(f), None),
+                "{f}"
+            );
+            // Not outside a static executable: libc.so's own are known by
+            // their module, and a program's function of that name is its.
+            assert!(!w.is_allocator_frame(Some("prog"), Some(f)), "{f}");
+        }
+        // The program's own code, with its source lines, is never the C
+        // library's, whatever its name.
+        assert!(!w.is_allocator_frame_of_static(Some("prog"), Some("puts"), Some("p.c")));
+        for f in ["main", "leak_small", "say_hello", "", "#"] {
+            assert!(!is_c_library_function(f), "{f}");
+            assert!(
+                !w.is_allocator_frame_of_static(Some("prog"), Some(f), None),
+                "{f}"
+            );
+        }
+        assert!(!w.is_allocator_frame_of_static(Some("prog"), None, None));
     }
 }

@@ -43,6 +43,7 @@ fn read(source: &Path, limit: u64) -> rusqlite::Result<(Vec<Vec<Record>>, u64)> 
             end: r.get::<_, i64>(5)? as u64,
             base: r.get::<_, i64>(6)? as u64,
             loaded_ns: r.get::<_, i64>(7)? as u64,
+            static_exe: false,
         }))
     })? {
         head.push(m?);

@@ -64,6 +64,51 @@ pub struct HeapReport {
     pub mallinfo: MallInfo,
     #[serde(skip)]
     pub pages: Vec<PageRun>,
+    /// The arenas' heaps, for naming the pages' owners in the picture.
+    #[serde(skip)]
+    pub heaps: Vec<ArenaHeap>,
+}
+
+/// One heap of an arena: the memory from `start` to `end` is carved by the
+/// arena at `arena`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArenaHeap {
+    pub start: u64,
+    pub end: u64,
+    pub arena: u64,
+    pub main: bool,
+}
+
+impl ArenaHeap {
+    /// How the picture names it.
+    pub fn label(&self) -> String {
+        if self.main {
+            "main arena".to_string()
+        } else {
+            format!("arena {:#x}", self.arena)
+        }
+    }
+}
+
+/// Chunks `(arena, main, addr, size)` sorted by arena then address, as the
+/// heaps they make: chunks of one arena that follow each other.
+pub(super) fn heaps_of_chunks(
+    chunks: impl IntoIterator<Item = (u64, bool, u64, u64)>,
+) -> Vec<ArenaHeap> {
+    let mut heaps: Vec<ArenaHeap> = Vec::new();
+    for (arena, main, addr, size) in chunks {
+        let end = addr.saturating_add(size);
+        match heaps.last_mut() {
+            Some(h) if h.arena == arena && h.end == addr => h.end = end,
+            _ => heaps.push(ArenaHeap {
+                start: addr,
+                end,
+                arena,
+                main,
+            }),
+        }
+    }
+    heaps
 }
 
 impl HeapReport {
@@ -91,6 +136,18 @@ impl HeapReport {
             live_bytes: live.iter().map(|b| b.usable).sum(),
             mallinfo: map.mallinfo(),
             pages: map.pages.clone(),
+            heaps: map
+                .arenas
+                .iter()
+                .flat_map(|a| {
+                    a.heaps.iter().map(|h| ArenaHeap {
+                        start: h.start,
+                        end: h.end,
+                        arena: a.addr,
+                        main: a.main,
+                    })
+                })
+                .collect(),
             ..HeapReport::default()
         }
     }
@@ -238,6 +295,22 @@ impl HeapReport {
             .map_err(q)?
             .collect::<Result<_, _>>()
             .map_err(q)?;
+        let mut stmt = conn
+            .prepare(
+                "SELECT c.arena, a.kind = 'main', c.addr, c.size FROM heap_chunks c
+                 JOIN heap_arenas a ON a.snapshot_id = c.snapshot_id AND a.arena = c.arena
+                 WHERE c.snapshot_id = ?1 ORDER BY c.arena, c.addr",
+            )
+            .map_err(q)?;
+        let chunks = stmt
+            .query_map([snapshot], |r| {
+                let u = |i| r.get::<_, i64>(i).map(|v| v as u64);
+                Ok((u(0)?, r.get::<_, bool>(1)?, u(2)?, u(3)?))
+            })
+            .map_err(q)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(q)?;
+        report.heaps = heaps_of_chunks(chunks);
         Ok(report)
     }
 

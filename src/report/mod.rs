@@ -31,6 +31,7 @@ mod heapdraw;
 pub mod heapmap;
 pub mod listing;
 pub mod plot;
+mod plotmodel;
 pub mod pprof;
 mod run;
 pub mod scan;

@@ -152,10 +152,13 @@ impl StackTable {
         }
 
         let mut frames: IdMap<i64, Frame> = IdMap::default();
-        let mut stmt = trace
-            .conn
-            .prepare("SELECT id, ip, module_id, function, file, line FROM frames")
-            .map_err(err)?;
+        // The trace's own marks count too: it knew which modules were static
+        // executables (traces older than `frames.wrapper` have none).
+        let sql = match trace.conn.prepare("SELECT wrapper FROM frames LIMIT 0") {
+            Ok(_) => "SELECT id, ip, module_id, function, file, line, wrapper FROM frames",
+            Err(_) => "SELECT id, ip, module_id, function, file, line, NULL FROM frames",
+        };
+        let mut stmt = trace.conn.prepare(sql).map_err(err)?;
         let mut rows = stmt.query([]).map_err(err)?;
         while let Some(r) = rows.next().map_err(err)? {
             let line = Line {
@@ -170,7 +173,7 @@ impl StackTable {
                     ip: r.get::<_, i64>(1).map_err(err)? as u64,
                     module_id: r.get(2).map_err(err)?,
                     lines: if known { vec![line] } else { Vec::new() },
-                    wrapper: false,
+                    wrapper: r.get::<_, Option<bool>>(6).map_err(err)? == Some(true),
                 },
             );
         }
@@ -219,14 +222,15 @@ impl StackTable {
             );
         }
         // The function whose machine code holds the call is the outermost
-        // line's (an allocator helper inlined into the caller is the caller).
+        // line's (an allocator helper inlined into the caller is the caller);
+        // the report's own `--wrapper`s add to what the trace marked.
         for frame in frames.values_mut() {
             let module = frame
                 .module_id
                 .and_then(|m| modules.get(&m))
                 .map(Module::name);
             let function = frame.lines.last().and_then(|l| l.function.as_deref());
-            frame.wrapper = wrappers.is_allocator_frame(module, function);
+            frame.wrapper |= wrappers.is_allocator_frame(module, function);
         }
         let mut table = StackTable {
             nodes,

@@ -55,6 +55,7 @@ fn module(id: u64, path: &str, base: u64) -> Record {
         end: base + 0x10_0000,
         base,
         loaded_ns: 0,
+        static_exe: false,
     })
 }
 

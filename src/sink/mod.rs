@@ -28,6 +28,9 @@ pub struct ModuleRecord {
     /// Load bias: runtime address minus the address the file states.
     pub base: u64,
     pub loaded_ns: u64,
+    /// A static executable (static or static-pie): the C library is in it
+    /// ([`crate::wrappers`]).
+    pub static_exe: bool,
 }
 
 /// A thread seen while tracing. Sent again when its name or end becomes known;

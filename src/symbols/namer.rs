@@ -289,8 +289,14 @@ fn name(
         out.extend(frames.iter().zip(names).filter_map(|(frame, lines)| {
             // The function whose machine code holds the call: the
             // outermost line.
-            let function = lines.last().and_then(|l| l.function.as_deref());
-            let wrapper = wrappers.is_allocator_frame(Some(file), function);
+            let outer = lines.last();
+            let function = outer.and_then(|l| l.function.as_deref());
+            let wrapper = if module.static_exe {
+                let source = outer.and_then(|l| l.file.as_deref());
+                wrappers.is_allocator_frame_of_static(Some(file), function, source)
+            } else {
+                wrappers.is_allocator_frame(Some(file), function)
+            };
             (wrapper || !lines.is_empty()).then_some(Record::Symbols(FrameSymbols {
                 frame_id: frame.id,
                 lines,
@@ -326,6 +332,7 @@ mod tests {
             end: u64::MAX,
             base: 0,
             loaded_ns: 0,
+            static_exe: false,
         });
         let ip = first_call_in(&binary, "level_two") + 1;
         names.frames(&[

@@ -236,7 +236,52 @@ fn heap_at_exit_equals_mallinfo2() {
         let decoder =
             png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
         let info = decoder.read_info().unwrap();
-        assert_eq!(info.info().width, 1200);
+        assert_eq!(info.info().width, 1362);
+        // The same as SVG: each region is named by its arena, and every
+        // colour drawn is in the legend.
+        let svg = scratch("heap-exit").join("map.svg");
+        let drawn = run(memptrace().arg("heapmap").arg(&db).arg("-o").arg(&svg), b"");
+        assert_eq!(drawn.code(), 0, "{}", drawn.stderr);
+        let mut threads: Vec<u64> = json["arenas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["kind"] == "thread")
+            .map(|a| a["arena"].as_u64().unwrap())
+            .collect();
+        threads.sort();
+        let mut names = vec!["main arena".to_string()];
+        names.extend(threads.iter().map(|a| format!("arena {a:#x}")));
+        names.push("mmapped blocks".to_string());
+        let texts = crate::support::svg_texts(&svg);
+        let mut labels: Vec<String> = texts
+            .into_iter()
+            .filter(|t| {
+                t.starts_with("main arena") || t.starts_with("arena ") || t == "mmapped blocks"
+            })
+            .collect();
+        labels.sort();
+        names.sort();
+        assert_eq!(labels, names, "{variant:?}");
+        let rects = crate::support::svg_rects(&svg);
+        let legend: Vec<&str> = rects
+            .iter()
+            .filter(|r| r.0 == "14")
+            .map(|r| r.2.as_str())
+            .collect();
+        assert_eq!(legend.len(), 8, "two rows of four states: {rects:?}");
+        let squares: Vec<&str> = rects
+            .iter()
+            .filter(|r| r.0 == "8")
+            .map(|r| r.2.as_str())
+            .collect();
+        assert!(!squares.is_empty());
+        for fill in squares {
+            assert!(
+                legend.contains(&fill),
+                "{variant:?}: {fill} is not in the legend"
+            );
+        }
     }
 }
 

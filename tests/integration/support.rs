@@ -33,10 +33,10 @@ pub const VARIANTS: [Variant; 4] = [
 ];
 
 /// Tracees built for every variant (see tracee-tests/README.md).
-const TRACEES: [&str; 23] = [
+const TRACEES: [&str; 24] = [
     "api", "threads", "leaks", "deep", "forks", "status", "signals", "victim", "churn", "phases",
     "shrink", "ticker", "wrappers", "sigalloc", "outrun", "mapping", "resident", "heapmap",
-    "spawner", "scribble", "cnames", "execs", "sigstack",
+    "spawner", "scribble", "cnames", "execs", "sigstack", "clib",
 ];
 
 /// Tracees of the heap walker's untrusted input and of the attach's pauses.
@@ -883,4 +883,36 @@ pub fn without_death_warning(stderr: &str) -> String {
 /// once with each.
 pub fn probes() -> String {
     std::env::var("MEMPTRACE_PROBES").unwrap_or_else(|_| "jump".to_string())
+}
+
+/// The text of every `<text>` of an SVG that plotters drew, in order.
+pub fn svg_texts(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("the SVG is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    doc.descendants()
+        .filter(|n| n.tag_name().name() == "text")
+        .map(|n| {
+            let text: String = n
+                .descendants()
+                .filter(|d| d.is_text())
+                .filter_map(|d| d.text())
+                .collect();
+            text.trim().to_string()
+        })
+        .collect()
+}
+
+/// Every filled `<rect>` of an SVG that plotters drew: (width, height,
+/// fill colour).
+pub fn svg_rects(path: &Path) -> Vec<(String, String, String)> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc = roxmltree::Document::parse(&text).expect("the SVG is well-formed XML");
+    doc.descendants()
+        .filter(|n| n.tag_name().name() == "rect")
+        .map(|n| {
+            let attr = |a| n.attribute(a).unwrap_or_default().to_string();
+            (attr("width"), attr("height"), attr("fill"))
+        })
+        .collect()
 }

@@ -269,3 +269,76 @@ fn c_wrappers_on_every_variant() {
         }
     }
 }
+
+/// Each leak as (its stack from the call site out to `main`, size), for the
+/// leaks whose stack passes through `main` (not the C library's start-up),
+/// sorted.
+fn leaks_from_main(t: &Trace) -> Vec<(Vec<String>, i64)> {
+    let leaks: Vec<(i64, i64)> = t
+        .db
+        .prepare(
+            "SELECT c.site_id, l.size FROM leaks l JOIN call_sites c ON c.stack_id = l.alloc_stack_id",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let mut out: Vec<(Vec<String>, i64)> = leaks
+        .into_iter()
+        .filter_map(|(site, size)| {
+            let mut stack = t.stack_functions(site);
+            let main = stack.iter().position(|f| f == "main")?;
+            stack.truncate(main + 1);
+            Some((stack, size))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The C library allocating for the program (stdout's buffer, strdup,
+/// fopen) is charged to the program's function that called it, with the
+/// same stack from there out, whether the C library is a module of its own
+/// (dynamic) or linked into the program (static, static-pie): in
+/// `call_sites` and in the report. (Not musl: its `libc.a` has no unwind
+/// tables, so a stack that starts in its `strdup` ends there.)
+#[test]
+fn c_library_calls_are_charged_alike_static_and_dynamic() {
+    let mut builds = Vec::new();
+    for variant in [Variant::Dynamic, Variant::Static, Variant::StaticPie] {
+        let t = trace(variant, "clib", &[], &[]);
+        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
+        let stated = sites(&t.run.stdout);
+        assert_eq!(stated.len(), 3, "{variant:?}");
+        assert_sites(&by_call_site(&t), &stated, variant.name());
+        let c = callers(&report_json(&t.path, &[]));
+        for ((function, _), (calls, _)) in &stated {
+            assert_eq!(
+                c.get(function).map(|c| c.0),
+                Some(*calls as u64),
+                "{variant:?}: {c:#?}"
+            );
+        }
+        let leaks = leaks_from_main(&t);
+        let stacks: Vec<Vec<&str>> = leaks
+            .iter()
+            .map(|(s, _)| s.iter().map(String::as_str).collect())
+            .collect();
+        assert_eq!(
+            stacks,
+            [
+                ["copy_name", "main"],
+                ["open_self", "main"],
+                ["say_hello", "main"]
+            ],
+            "{variant:?}: {leaks:?}"
+        );
+        builds.push((variant, leaks));
+    }
+    // The same leaks, sizes included (the same C library).
+    let (_, dynamic) = &builds[0];
+    for (variant, leaks) in &builds[1..] {
+        assert_eq!(leaks, dynamic, "{variant:?} against the dynamic build");
+    }
+}

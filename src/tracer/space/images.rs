@@ -49,6 +49,7 @@ impl LoadedModule {
             end: self.range.end,
             base: self.bias.0,
             loaded_ns: now,
+            static_exe: self.image.is_static_exe,
         }
     }
 }
