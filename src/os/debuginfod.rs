@@ -14,14 +14,16 @@
 //! The library is never closed: libcurl, which it starts in a constructor,
 //! does not expect to be unloaded.
 
+use std::cell::Cell;
 use std::ffi::{CStr, CString, OsStr, c_void};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use libc::{c_char, c_int};
+use libc::{c_char, c_int, c_long};
 
 /// The soname elfutils' libdw opens (Debian: package `libdebuginfod1`).
 pub const SONAME: &str = "libdebuginfod.so.1";
@@ -34,12 +36,22 @@ type End = unsafe extern "C" fn(*mut c_void);
 /// const unsigned char *build_id, int build_id_len, char **path)`: a file
 /// descriptor on the cached file, or a negative errno.
 type FindDebuginfo = unsafe extern "C" fn(*mut c_void, *const u8, c_int, *mut *mut c_char) -> c_int;
+/// `debuginfod.h`: `int (*debuginfod_progressfn_t) (debuginfod_client *,
+/// long a, long b)`: called now and then while a lookup waits or
+/// downloads; a non-zero return cancels it. `b` is the size of the file a
+/// server has started to send, 0 until one does (elfutils 0.188: `a`
+/// counts loops until then, bytes after).
+type ProgressFn = unsafe extern "C" fn(*mut c_void, c_long, c_long) -> c_int;
+/// `debuginfod.h`: `void debuginfod_set_progressfn (debuginfod_client *,
+/// debuginfod_progressfn_t)`.
+type SetProgressFn = unsafe extern "C" fn(*mut c_void, Option<ProgressFn>);
 
-/// The loaded library: its three functions memptrace calls.
+/// The loaded library: the functions memptrace calls.
 pub struct Library {
     begin: Begin,
     end: End,
     find_debuginfo: FindDebuginfo,
+    set_progressfn: SetProgressFn,
 }
 
 impl Library {
@@ -70,6 +82,7 @@ impl Library {
         let begin = symbol(c"debuginfod_begin")?;
         let end = symbol(c"debuginfod_end")?;
         let find_debuginfo = symbol(c"debuginfod_find_debuginfo")?;
+        let set_progressfn = symbol(c"debuginfod_set_progressfn")?;
         // SAFETY: these symbols of libdebuginfod.so.1 have had these C
         // signatures since the library's first release (elfutils 0.178,
         // `debuginfod.h`); a function pointer and a data pointer have the
@@ -81,6 +94,9 @@ impl Library {
                 find_debuginfo: std::mem::transmute::<*mut c_void, FindDebuginfo>(
                     find_debuginfo.as_ptr(),
                 ),
+                set_progressfn: std::mem::transmute::<*mut c_void, SetProgressFn>(
+                    set_progressfn.as_ptr(),
+                ),
             })
         }
     }
@@ -91,7 +107,32 @@ impl Library {
         // SAFETY: debuginfod_begin takes no argument; it returns NULL on
         // failure, checked here.
         let raw = NonNull::new(unsafe { (self.begin)() })?;
+        // SAFETY: `raw` is a live client; `progress` has the C signature
+        // the library calls, and never unwinds.
+        unsafe { (self.set_progressfn)(raw.as_ptr(), Some(progress)) };
         Some(Client { library: self, raw })
+    }
+}
+
+thread_local! {
+    /// When this thread's lookup must have a server sending, if it has a
+    /// limit.
+    static DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
+    /// This thread's lookup was cancelled at its deadline.
+    static CANCELLED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The progress function of every client: cancels a lookup that no server
+/// has started to send by its thread's deadline
+/// ([`Client::find_debuginfo`]). The library calls it on the thread that
+/// asked.
+extern "C" fn progress(_client: *mut c_void, _a: c_long, size: c_long) -> c_int {
+    match DEADLINE.with(Cell::get) {
+        Some(deadline) if size <= 0 && Instant::now() > deadline => {
+            CANCELLED.with(|c| c.set(true));
+            1
+        }
+        _ => 0,
     }
 }
 
@@ -124,13 +165,21 @@ impl Client {
     /// digits, as the servers' `/buildid/<hex>/debuginfo` URLs take it),
     /// downloaded when it is not cached yet; the error is the library's
     /// errno (`ENOENT`: no server has it; `ENOSYS`: `DEBUGINFOD_URLS` names
-    /// no server). The file is the servers' word: the caller checks it.
-    pub fn find_debuginfo(&mut self, build_id: &str) -> io::Result<PathBuf> {
+    /// no server), or `TimedOut` when no server started sending within
+    /// `limit` (when given; the library's own retries included). The file is the
+    /// servers' word: the caller checks it.
+    pub fn find_debuginfo(
+        &mut self,
+        build_id: &str,
+        limit: Option<Duration>,
+    ) -> io::Result<PathBuf> {
         if build_id.is_empty() || !build_id.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let id = CString::new(build_id).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
         let mut path: *mut c_char = std::ptr::null_mut();
+        DEADLINE.with(|d| d.set(limit.and_then(|l| Instant::now().checked_add(l))));
+        CANCELLED.with(|c| c.set(false));
         // SAFETY: `raw` is a live client used by this thread only; a
         // build-id length of 0 tells the library that `id` is a
         // NUL-terminated hex string; `path` receives NULL or a string the
@@ -138,10 +187,18 @@ impl Client {
         let fd = unsafe {
             (self.library.find_debuginfo)(self.raw.as_ptr(), id.as_ptr().cast(), 0, &mut path)
         };
+        DEADLINE.with(|d| d.set(None));
         if fd < 0 {
             if !path.is_null() {
                 // SAFETY: allocated by the library with malloc.
                 unsafe { libc::free(path.cast()) };
+            }
+            if CANCELLED.with(Cell::get) {
+                let limit = limit.unwrap_or_default().as_secs();
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer within {limit} s"),
+                ));
             }
             let errno = fd.checked_neg().unwrap_or(libc::EIO);
             return Err(io::Error::from_raw_os_error(errno));

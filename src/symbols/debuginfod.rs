@@ -8,6 +8,13 @@
 //! gdb and `debuginfod-find` share one cache. Lookups run on the naming
 //! thread (or the end of the trace), never while the target waits.
 //!
+//! A lookup waits for a server to start sending at most
+//! [`FIRST_BYTE_LIMIT`], unless `DEBUGINFOD_TIMEOUT` is set: elfutils' own
+//! default (90 s an attempt, three attempts) would hold the end of a trace
+//! four and a half minutes behind a server that takes connections and
+//! never answers. A download under way is not cut (`DEBUGINFOD_MAXTIME`
+//! does that).
+//!
 //! A server that cannot be reached costs one warning and no more: the first
 //! failure other than "no server has it" ends the downloads of the run, and
 //! later lookups read the client cache alone ([`cache_dir`]), so that what an
@@ -18,8 +25,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::os::debuginfod::{Client, Library, SONAME};
+
+/// How long a lookup waits for a server to start sending, retries
+/// included, when `DEBUGINFOD_TIMEOUT` is not set.
+pub const FIRST_BYTE_LIMIT: Duration = Duration::from_secs(10);
 
 /// The servers of this run, shared by the threads that name frames: each
 /// takes its own [`Fetcher`].
@@ -35,6 +47,8 @@ struct Shared {
     library: Option<&'static Library>,
     /// Where elfutils' client caches what it downloads.
     cache: Option<PathBuf>,
+    /// [`FIRST_BYTE_LIMIT`], or `None` when `DEBUGINFOD_TIMEOUT` rules.
+    first_byte: Option<Duration>,
     /// A server failed, or there is no library: no more downloads, the
     /// cache only.
     down: AtomicBool,
@@ -64,6 +78,9 @@ impl Debuginfod {
             urls,
             library: library.as_ref().ok().copied(),
             cache: cache_dir(&|name| std::env::var_os(name).map(PathBuf::from)),
+            first_byte: std::env::var_os("DEBUGINFOD_TIMEOUT")
+                .is_none_or(|t| t.is_empty())
+                .then_some(FIRST_BYTE_LIMIT),
             down: AtomicBool::new(false),
             warning: Mutex::new(None),
         };
@@ -122,7 +139,7 @@ impl Fetcher {
             ));
             return cached(shared.cache.as_deref()?, build_id);
         };
-        match client.find_debuginfo(build_id) {
+        match client.find_debuginfo(build_id, shared.first_byte) {
             Ok(path) => Some(path),
             Err(err) if err.raw_os_error() == Some(libc::ENOENT) => None,
             Err(err) => {

@@ -3,8 +3,8 @@
 //! (`split/deep.debug`, by its build-id). The stripped tracee traced with
 //! `DEBUGINFOD_URLS` pointing at it names its frames as the unstripped build
 //! does; a second run with the server stopped is served from the client
-//! cache; a server that cannot be reached costs one warning line and the
-//! trace goes on.
+//! cache; a server that cannot be reached, or never answers, costs one
+//! warning line and the trace goes on.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -229,4 +229,23 @@ fn stripped_binary_named_from_a_debuginfod_server() {
     assert_named_as(&frames_of(&t, &stripped), &unnamed, &expected);
     t.assert_truth();
     t.assert_deep_stacks("from the cache");
+}
+
+/// A server that takes connections and never answers (a listening socket
+/// nobody accepts on: the kernel completes the handshakes) is given up
+/// after memptrace's limit on the first byte, as `DEBUGINFOD_TIMEOUT` is
+/// not set: one warning, the trace goes on.
+#[test]
+fn a_server_that_never_answers_is_given_up() {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let stripped = tracee(Variant::Static, "stripped-deep");
+    let cache = empty_cache(&scratch("debuginfod-silent"), "cache");
+    let warning = format!(
+        "memptrace: warning: debuginfod server {url} failed (no answer within 10 s): no debug file was downloaded after that, the client cache was read\n"
+    );
+    let t = trace_with(&stripped, &url, &cache, &warning);
+    let frames = frames_of(&t, &stripped);
+    assert!(frames.iter().all(|(_, f, _, _)| f.is_none()), "{frames:?}");
+    drop(silent);
 }
