@@ -20,6 +20,7 @@ use crate::report;
 use crate::report::heapmap::{HeapReport, HeapSource};
 use crate::sampler::{Sampler, Watchlist};
 use crate::sink::{EventSink, Record, RecordSender, Recorder, SqliteSink};
+use crate::symbols::debuginfod::Debuginfod;
 use crate::symbols::namer::Namer;
 use crate::tracer::{
     Ending, ProbeMode, Progress, TraceError, TraceOptions, TraceStats, Tracer, signal_name,
@@ -289,6 +290,8 @@ struct Recording {
     sampler: Option<Sampler>,
     /// Names the frames the pipeline hands it, as the trace goes.
     namer: Namer,
+    /// The debuginfod servers the namer asks (for their warning).
+    debuginfod: Option<Debuginfod>,
     records: RecordSender,
     recorder: Recorder,
     clock: Instant,
@@ -320,8 +323,10 @@ impl Recording {
             list.watch(pid as u32);
             Sampler::start(list, interval, clock, records.clone())
         });
+        let debuginfod = Debuginfod::from_env();
         Ok(Recording {
-            namer: Namer::spawn(records.clone(), wrappers),
+            namer: Namer::spawn(records.clone(), wrappers, debuginfod.clone()),
+            debuginfod,
             recorder,
             records,
             clock,
@@ -424,6 +429,7 @@ impl Recording {
         }
         warnings.extend(stats.warnings.iter().cloned());
         warnings.extend(stats.damaged.warning());
+        warnings.extend(self.debuginfod.as_ref().and_then(Debuginfod::warning));
         for warning in &warnings {
             eprintln!("memptrace: warning: {warning}");
         }

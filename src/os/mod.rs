@@ -1,5 +1,6 @@
 //! The only room with system calls: ptrace, process memory, /proc, the launch
-//! of the target, memptrace's own signal handling and the libunwind FFI.
+//! of the target, memptrace's own signal handling, the libunwind FFI and
+//! elfutils' debuginfod client (loaded with dlopen).
 //!
 //! Everything outside `os` works on the plain values these functions return, so
 //! it can be tested without a live process. Functions here are thin: they do
@@ -7,6 +8,7 @@
 
 #![allow(unsafe_code)]
 
+pub mod debuginfod;
 pub mod launch;
 pub mod libunwind;
 pub mod local;

@@ -25,6 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::debuginfod::Debuginfod;
 use super::symbolize::Symbolizer;
 use crate::sink::{FrameRecord, FrameSymbols, ModuleRecord, Record, RecordSender, SinkError};
 use crate::wrappers::Wrappers;
@@ -110,17 +111,25 @@ impl NameSender {
 pub struct Namer {
     shared: Arc<Shared>,
     wrappers: Wrappers,
+    /// The debuginfod servers, when `DEBUGINFOD_URLS` names some.
+    debuginfod: Option<Debuginfod>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Namer {
-    /// Start the thread; its names go to `records`.
-    pub fn spawn(records: RecordSender, wrappers: Wrappers) -> Namer {
-        let mut namer = Namer::idle(records, wrappers);
+    /// Start the thread; its names go to `records`; debug files found
+    /// nowhere on disk are asked of `debuginfod`.
+    pub fn spawn(
+        records: RecordSender,
+        wrappers: Wrappers,
+        debuginfod: Option<Debuginfod>,
+    ) -> Namer {
+        let mut namer = Namer::idle(records, wrappers, debuginfod);
+        let symbolizer = Symbolizer::new().with_debuginfod(namer.debuginfod.as_ref());
         let theirs = (namer.shared.clone(), namer.wrappers.clone());
         let thread = std::thread::Builder::new()
             .name("memptrace-names".into())
-            .spawn(move || name_all(&theirs.0, &theirs.1))
+            .spawn(move || name_all(&theirs.0, &theirs.1, symbolizer))
             .expect("spawning the naming thread");
         namer.thread = Some(thread);
         namer
@@ -128,12 +137,13 @@ impl Namer {
 
     /// A namer without its thread: everything is left to [`Namer::finish`],
     /// as when the thread starves.
-    fn idle(records: RecordSender, wrappers: Wrappers) -> Namer {
+    fn idle(records: RecordSender, wrappers: Wrappers, debuginfod: Option<Debuginfod>) -> Namer {
         let shared = Arc::new(Shared::default());
         shared.out().records = Some(records);
         Namer {
             shared,
             wrappers,
+            debuginfod,
             thread: None,
         }
     }
@@ -179,7 +189,7 @@ impl Namer {
             return Ok(());
         };
         let bar = crate::progress::bar_if(draw, left.len() as u64, "naming code addresses");
-        let mut symbolizer = Symbolizer::new();
+        let mut symbolizer = Symbolizer::new().with_debuginfod(self.debuginfod.as_ref());
         for chunk in left.chunks(256) {
             records.send(name(&mut symbolizer, &modules, chunk, &self.wrappers))?;
             bar.inc(chunk.len() as u64);
@@ -206,9 +216,8 @@ impl Drop for Namer {
     }
 }
 
-fn name_all(shared: &Shared, wrappers: &Wrappers) {
+fn name_all(shared: &Shared, wrappers: &Wrappers, mut symbolizer: Symbolizer) {
     crate::os::local::lower_own_priority();
-    let mut symbolizer = Symbolizer::new();
     let mut prepared = Vec::new();
     loop {
         let (frames, modules) = {
@@ -370,13 +379,13 @@ mod tests {
 
     #[test]
     fn names_the_frames_it_is_handed() {
-        assert_level_two(&named("namer", Namer::spawn));
+        assert_level_two(&named("namer", |r, w| Namer::spawn(r, w, None)));
     }
 
     /// The namer's thread never got the CPU: the end of the trace names
     /// what it was handed.
     #[test]
     fn the_end_names_what_a_starved_namer_left() {
-        assert_level_two(&named("namer-idle", Namer::idle));
+        assert_level_two(&named("namer-idle", |r, w| Namer::idle(r, w, None)));
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! For each image the symbolizer looks for DWARF in the image itself, else in
 //! a separate debug file (by build-id, then by `.gnu_debuglink`: see
-//! `debug_file`), together with the `dwz` supplementary file that
-//! `.gnu_debugaltlink` names. addr2line reads that DWARF, inlined frames
+//! `debug_file`; last, when `DEBUGINFOD_URLS` is set, from a debuginfod
+//! server: [`crate::symbols::debuginfod`]), together with the `dwz`
+//! supplementary file that `.gnu_debugaltlink` names (found the same ways). addr2line reads that DWARF, inlined frames
 //! included. Where DWARF names no function, the symbol tables of the image and
 //! its debug file do (`symtab`); where DWARF names a function by an internal
 //! alias (glibc's `__GI__IO_puts`, `__libc_malloc`), the public alias is shown,
@@ -36,6 +37,7 @@ pub use self::objinfo::DebugLink;
 pub(crate) use self::objinfo::parse_debuglink;
 use self::objinfo::{AltLink, ObjectInfo, read_regular_file};
 use self::symtab::SymbolIndex;
+use super::debuginfod::{Debuginfod, Fetcher};
 use crate::sink::SourceLine;
 
 /// Where Debian's `-dbgsym` and `-dbg` packages put debug files.
@@ -45,6 +47,7 @@ pub const DEFAULT_DEBUG_ROOT: &str = "/usr/lib/debug";
 /// it lives, so that each file is read once.
 pub struct Symbolizer {
     debug_roots: Vec<PathBuf>,
+    debuginfod: Option<Fetcher>,
     images: HashMap<(PathBuf, Option<String>), ImageDebug>,
 }
 
@@ -66,8 +69,16 @@ impl Symbolizer {
     pub fn with_debug_roots(debug_roots: Vec<PathBuf>) -> Symbolizer {
         Symbolizer {
             debug_roots,
+            debuginfod: None,
             images: HashMap::new(),
         }
+    }
+
+    /// Also ask `servers` (when some) for the debug files found nowhere
+    /// on disk.
+    pub fn with_debuginfod(mut self, servers: Option<&Debuginfod>) -> Symbolizer {
+        self.debuginfod = servers.map(Debuginfod::fetcher);
+        self
     }
 
     /// The source lines of each probe (an SVMA of `path`), innermost first:
@@ -87,10 +98,11 @@ impl Symbolizer {
     ) -> Vec<Vec<SourceLine>> {
         let key = (path.to_path_buf(), build_id.map(str::to_ascii_lowercase));
         let roots = &self.debug_roots;
+        let remote = self.debuginfod.as_mut();
         let image = self
             .images
             .entry(key)
-            .or_insert_with(|| ImageDebug::load(path, build_id, roots));
+            .or_insert_with(|| ImageDebug::load(path, build_id, roots, remote));
         probes.iter().map(|&probe| image.lookup(probe)).collect()
     }
 }
@@ -103,14 +115,24 @@ struct ImageDebug {
 }
 
 impl ImageDebug {
-    fn load(path: &Path, build_id: Option<&str>, roots: &[PathBuf]) -> ImageDebug {
+    fn load(
+        path: &Path,
+        build_id: Option<&str>,
+        roots: &[PathBuf],
+        remote: Option<&mut Fetcher>,
+    ) -> ImageDebug {
         catch_unwind(AssertUnwindSafe(|| {
-            ImageDebug::try_load(path, build_id, roots)
+            ImageDebug::try_load(path, build_id, roots, remote)
         }))
         .unwrap_or_default()
     }
 
-    fn try_load(path: &Path, build_id: Option<&str>, roots: &[PathBuf]) -> ImageDebug {
+    fn try_load(
+        path: &Path,
+        build_id: Option<&str>,
+        roots: &[PathBuf],
+        mut remote: Option<&mut Fetcher>,
+    ) -> ImageDebug {
         let image = read_regular_file(path)
             .and_then(|bytes| ObjectInfo::parse(&bytes))
             .filter(|info| same_build(info.build_id.as_deref(), build_id));
@@ -129,7 +151,8 @@ impl ImageDebug {
             symbols = info.symbols;
         }
         if dwarf_file.is_none() {
-            let debug = debug_file::find(path, build_id.as_deref(), debuglink.as_ref(), roots);
+            let debug = debug_file::find(path, build_id.as_deref(), debuglink.as_ref(), roots)
+                .or_else(|| debug_file::from_server(remote.as_deref_mut()?, build_id.as_deref()?));
             if let Some(debug) = debug {
                 // `objcopy --only-keep-debug` keeps .symtab: the stripped
                 // image's missing symbols are here.
@@ -140,7 +163,8 @@ impl ImageDebug {
             }
         }
         ImageDebug {
-            dwarf: dwarf_file.and_then(|(file, alt)| load_dwarf(&file, alt.as_ref(), roots)),
+            dwarf: dwarf_file
+                .and_then(|(file, alt)| load_dwarf(&file, alt.as_ref(), roots, remote)),
             symbols: SymbolIndex::new(symbols),
         }
     }
@@ -217,10 +241,21 @@ impl ImageDebug {
 }
 
 /// addr2line's loader for the DWARF in `file`, with its supplementary file
-/// when one is linked and found (without it, names that dwz moved there are
-/// missing, the rest still works).
-fn load_dwarf(file: &Path, alt: Option<&AltLink>, roots: &[PathBuf]) -> Option<Loader> {
-    let sup = alt.and_then(|link| debug_file::supplementary(file, link, roots));
+/// when one is linked and found, on disk or from a debuginfod server
+/// (without it, names that dwz moved there are missing, the rest still
+/// works).
+fn load_dwarf(
+    file: &Path,
+    alt: Option<&AltLink>,
+    roots: &[PathBuf],
+    remote: Option<&mut Fetcher>,
+) -> Option<Loader> {
+    let sup = alt.and_then(|link| {
+        debug_file::supplementary(file, link, roots).or_else(|| {
+            let debug = debug_file::from_server(remote?, &link.build_id)?;
+            debug.info.has_dwarf.then_some(debug.path)
+        })
+    });
     if let Some(sup) = sup {
         if let Ok(loader) = Loader::new_with_sup(file, Some(sup)) {
             return Some(loader);

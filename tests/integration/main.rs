@@ -12,6 +12,7 @@ mod api;
 mod attach;
 mod bad_input;
 mod cli;
+mod debuginfod;
 mod docs;
 mod failopen;
 mod faults;

@@ -292,9 +292,12 @@ impl Drop for Child {
     }
 }
 
-/// The memptrace binary under test.
+/// The memptrace binary under test, without the `DEBUGINFOD_URLS` of the
+/// shell that runs the tests: no test asks a server it did not start.
 pub fn memptrace() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_memptrace"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_memptrace"));
+    cmd.env_remove("DEBUGINFOD_URLS");
+    cmd
 }
 
 /// A command started by [`spawn`], its output being collected.

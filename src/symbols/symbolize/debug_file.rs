@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use super::objinfo::{AltLink, DebugLink, ObjectInfo, read_regular_file};
+use crate::symbols::debuginfod::Fetcher;
 
 /// A debug file that belongs to the image.
 #[derive(Debug)]
@@ -59,6 +60,19 @@ pub fn by_build_id(roots: &[PathBuf], build_id: &str) -> Option<DebugFile> {
         let info = ObjectInfo::parse(&read_regular_file(&path)?)?;
         same_build(info.build_id.as_deref(), Some(build_id)).then_some(DebugFile { path, info })
     })
+}
+
+/// The debug file of `build_id` from a debuginfod server or its client
+/// cache: the last place to look. The file is the server's word, so it is
+/// used only when it carries that very build-id.
+pub fn from_server(fetcher: &mut Fetcher, build_id: &str) -> Option<DebugFile> {
+    let path = fetcher.debuginfo(build_id)?;
+    let info = ObjectInfo::parse(&read_regular_file(&path)?)?;
+    let ours = info
+        .build_id
+        .as_deref()
+        .is_some_and(|id| id.eq_ignore_ascii_case(build_id));
+    ours.then_some(DebugFile { path, info })
 }
 
 /// The debug file named by the image's `.gnu_debuglink`, looked for in the
