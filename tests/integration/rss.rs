@@ -157,7 +157,7 @@ fn plots(db: &Path) {
     let text = std::fs::read_to_string(&svg).unwrap();
     roxmltree::Document::parse(&text).expect("the SVG is well-formed XML");
     for label in [
-        "heap in use (requested)",
+        "Heap in use (bytes requested): peak",
         "resident (RSS)",
         "resident anonymous",
         "mapped",
@@ -181,7 +181,7 @@ fn plots(db: &Path) {
     let out = run(memptrace().arg("plot").arg(&old).arg("-o").arg(&svg), b"");
     assert_eq!(out.code(), 0, "{}", out.stderr);
     let text = std::fs::read_to_string(&svg).unwrap();
-    assert!(text.contains("Heap in use over time: peak"));
+    assert!(text.contains("Heap in use (bytes requested): peak"));
     assert!(!text.contains("resident (RSS)"));
 }
 

@@ -326,16 +326,24 @@ impl Control {
     }
 
     /// Give thread `tid` (thread pointer `tp`, stack mapping `stack`) a
-    /// slot where its probes find it, one for its signal handlers' calls
-    /// made inside a probe (see [`layout::SIGNAL_KEY`]), and one for its
-    /// mapping calls when they have probes; `None` when every slot it could use is taken. A
-    /// slot it has already is left as it is (a call may be in progress).
+    /// slot where its probes find it, one for its mapping calls when they
+    /// have probes, and one for its signal handlers' calls made inside a
+    /// probe (see [`layout::SIGNAL_KEY`]) while slots are plenty; `None`
+    /// when every slot it could use is taken. A slot it has already is left
+    /// as it is (a call may be in progress).
     pub fn register(&mut self, tid: Tid, tp: u64, stack: Range<u64>) -> Option<usize> {
         let calls = self.register_key(tid, layout::key_of(tp), stack.clone());
-        // Without it, a handler's call inside a probe is counted as nested.
-        let _ = self.register_key(tid, layout::signal_key_of(tp), stack.clone());
         if self.maps {
-            self.register_key(tid, layout::map_key_of(tp), stack)?;
+            self.register_key(tid, layout::map_key_of(tp), stack.clone())?;
+        }
+        // Without it, a handler's call inside a probe is counted as nested;
+        // without a first slot, a thread waits in memptrace's stop. The
+        // signal slot is taken only while a quarter of the slots or fewer
+        // are in use, so that it never keeps a thread from its first slot
+        // (a slot is found within `PROBES` places of its hash).
+        let used = self.owners.iter().filter(|o| o.is_some()).count();
+        if used < layout::SLOTS as usize / 4 {
+            let _ = self.register_key(tid, layout::signal_key_of(tp), stack);
         }
         calls
     }
