@@ -19,6 +19,7 @@
 mod dwarf;
 mod frozen;
 mod glibc;
+mod live;
 mod mmapped;
 mod tcache;
 #[cfg(test)]
@@ -451,5 +452,5 @@ pub fn read_heap(
     residency: &dyn Residency,
     attempts: u32,
 ) -> HeapMap {
-    walk::read_heap(mem, glibc, maps, residency, attempts.max(1))
+    live::read_heap(mem, glibc, maps, residency, attempts.max(1))
 }

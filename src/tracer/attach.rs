@@ -14,11 +14,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::detach::Stopping;
 use super::pauses::PauseClock;
 use super::process::{Process, Role};
 use super::space::Space;
 use super::stop::Stopped;
+use super::stopping::Stopping;
 use super::{Progress, TraceError, TraceOptions, Tracer};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};

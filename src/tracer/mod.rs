@@ -37,6 +37,7 @@ mod process;
 mod rings;
 mod space;
 mod stop;
+mod stopping;
 mod stops;
 
 use std::collections::HashMap;

@@ -7,7 +7,6 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use goblin::elf::{Elf, sym};
 use iced_x86::{Decoder, DecoderOptions, Mnemonic};
@@ -575,36 +574,31 @@ fn demangles_what_the_demangler_cannot_read_whole() {
     assert_eq!(demangle("_ZEEEE", None), "_ZEEEE");
 }
 
-/// Each file is read once and each lookup is cheap: a trace's worth of
-/// unique addresses takes well under a second, in libc (symbols only) and in
-/// this test binary (tens of megabytes of DWARF). The bounds leave room for a
-/// busy machine.
+/// Ten thousand addresses at once, as a trace's worth of unique addresses
+/// comes: in libc (symbols only) and in this test binary (tens of megabytes
+/// of DWARF), each named. How fast is the benchmarks' to say
+/// (benches/, docs/performance.md), never a timed test's.
 #[test]
-fn symbolizes_ten_thousand_addresses_quickly() {
+fn symbolizes_ten_thousand_addresses() {
     let libc = Path::new(LIBC);
     let text = function_range(libc, "malloc");
     let start = text.start.saturating_sub(0x40000);
     let probes: Vec<u64> = (0..10_000u64).map(|i| start + i * 0x31).collect();
     let mut symbolizer = Symbolizer::with_debug_roots(vec![]);
-    let began = Instant::now();
     let names = symbolizer.symbolize(libc, None, &probes);
-    let took = began.elapsed();
     assert_eq!(names.len(), probes.len());
     // Without its debug file, libc's symbols are the exported functions only:
     // about a quarter of its code.
     assert!(names.iter().filter(|n| !n.is_empty()).count() > 2_000);
-    assert!(took.as_secs_f64() < 1.0, "took {took:?}");
 
     let exe = std::env::current_exe().unwrap();
     let code = text_range(&exe);
     let probes: Vec<u64> = (0..10_000u64)
         .map(|i| code.start + i * ((code.end - code.start) / 10_000))
         .collect();
-    let began = Instant::now();
     let names = symbolizer.symbolize(&exe, None, &probes);
-    let took = began.elapsed();
+    assert_eq!(names.len(), probes.len());
     assert!(names.iter().filter(|n| !n.is_empty()).count() > 9_000);
-    assert!(took.as_secs_f64() < 5.0, "took {took:?}");
 }
 
 /// The `.text` section of `binary`.
