@@ -263,23 +263,7 @@ impl Tracer {
         let deadline = Instant::now() + super::PATIENCE;
         let mut run = RUN_OUT.0;
         while !inside.is_empty() && Instant::now() < deadline {
-            // A thread waiting for room in its ring needs it read.
-            self.drain_rings(false);
-            let mut waiting: HashSet<Tid> = HashSet::new();
-            for &tid in &inside {
-                // A signal that stopped it is delivered now: one that came
-                // next would take its place in `deliver`.
-                let sig = deliver.remove(&tid).unwrap_or(0);
-                if ptrace::cont(tid, sig).is_ok() {
-                    waiting.insert(tid);
-                }
-            }
-            super::dying::in_detach();
-            std::thread::sleep(run);
-            for &tid in &waiting {
-                let _ = ptrace::interrupt(tid);
-            }
-            let running = self.stop_again(waiting, deliver, deadline)?;
+            let running = self.run_a_moment(&inside, run, true, deliver, deadline)?;
             super::dying::in_detach();
             if !running.is_empty() {
                 inside = self.inside_probes()?;
@@ -304,20 +288,12 @@ impl Tracer {
             if !inside.is_empty() {
                 break;
             }
-            self.drain_rings(false);
-            let mut waiting: HashSet<Tid> = HashSet::new();
-            for &tid in self.family.threads.keys() {
-                let sig = deliver.remove(&tid).unwrap_or(0);
-                if ptrace::cont(tid, sig).is_ok() {
-                    waiting.insert(tid);
-                }
-            }
-            std::thread::sleep(RUN_OUT.0);
-            for &tid in &waiting {
-                let _ = ptrace::interrupt(tid);
-            }
+            let all: Vec<Tid> = self.family.threads.keys().copied().collect();
             let deadline = Instant::now() + super::PATIENCE;
-            if !self.stop_again(waiting, deliver, deadline)?.is_empty() {
+            if !self
+                .run_a_moment(&all, RUN_OUT.0, false, deliver, deadline)?
+                .is_empty()
+            {
                 break;
             }
             inside = self.inside_probes()?;
@@ -353,6 +329,38 @@ impl Tracer {
             }
         }
         Ok(inside)
+    }
+
+    /// Let the threads `tids` run for `run`, then interrupt them and wait
+    /// (until `deadline`) for each to stop again; a signal that had stopped
+    /// one is delivered as it runs (one that came next would take its place
+    /// in `deliver`). `moment`: the threads running is a moment of the
+    /// detach (see `dying`). Returns the threads that did not stop again.
+    fn run_a_moment(
+        &mut self,
+        tids: &[Tid],
+        run: Duration,
+        moment: bool,
+        deliver: &mut HashMap<Tid, i32>,
+        deadline: Instant,
+    ) -> Result<Vec<Tid>, TraceError> {
+        // A thread waiting for room in its ring needs it read.
+        self.drain_rings(false);
+        let mut waiting: HashSet<Tid> = HashSet::new();
+        for &tid in tids {
+            let sig = deliver.remove(&tid).unwrap_or(0);
+            if ptrace::cont(tid, sig).is_ok() {
+                waiting.insert(tid);
+            }
+        }
+        if moment {
+            super::dying::in_detach();
+        }
+        std::thread::sleep(run);
+        for &tid in &waiting {
+            let _ = ptrace::interrupt(tid);
+        }
+        self.stop_again(waiting, deliver, deadline)
     }
 
     /// Wait, until `deadline`, for the threads `waiting` (resumed, then
