@@ -17,6 +17,7 @@ use std::time::Instant;
 use super::pauses::PauseClock;
 use super::process::{Process, Role};
 use super::space::Space;
+use super::space::images::Ahead;
 use super::stop::Stopped;
 use super::stopping::Stopping;
 use super::{Progress, TraceError, TraceOptions, Tracer};
@@ -63,6 +64,8 @@ impl Tracer {
         let buffers = crate::heap::reserve_copy(pid);
         let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
         tracer.control.attached = true;
+        // Its images too (and the jump probes' unwind tables of them).
+        let ahead = Ahead::read(pid, tracer.jumps());
         tracer
             .family
             .processes
@@ -71,7 +74,7 @@ impl Tracer {
         for &tid in &seized {
             tracer.add_thread(tid, pid);
         }
-        match tracer.hook_stopped(pid, &seized, buffers) {
+        match tracer.hook_stopped(pid, &seized, buffers, ahead) {
             Ok(()) => {
                 // `--duration` is the time traced: it starts now. (It also
                 // bounded the attach itself.)
@@ -97,6 +100,7 @@ impl Tracer {
         pid: Tid,
         seized: &[Tid],
         buffers: crate::heap::Buffers,
+        ahead: Ahead,
     ) -> Result<(), TraceError> {
         let mut pause = PauseClock::start("attach");
         let resume = self.stop_all(pid, seized)?;
@@ -125,7 +129,8 @@ impl Tracer {
             .or_else(|| resume.keys().copied().find(|t| runs(t) && shares(t)))
             .or_else(|| resume.keys().copied().find(|t| ours(t) && free(t)))
             .ok_or(TraceError::NoSuchProcess(pid))?;
-        let space = Space::new(pid, self.catch())?;
+        let mut space = Space::new(pid, self.catch())?;
+        space.ahead = ahead;
         if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }
@@ -179,11 +184,8 @@ impl Tracer {
             }
         }
         pause.lap("resume");
-        let mut pause = pause.finish();
-        let walking = std::time::Instant::now();
-        self.take_inventory(heap);
-        pause.after = Some(("inventory", walking.elapsed()));
-        self.stats.pauses.push(pause);
+        let pause = pause.finish();
+        self.take_inventory(heap, pause);
         Ok(())
     }
 

@@ -21,6 +21,7 @@
 
 use super::callsite;
 use super::copies::{CopyInto, PendingCopy};
+use super::heapmaps::HeldCall;
 use super::ledger::CallFacts;
 use super::probes::{HookKind, Probe};
 use super::process::PendingCall;
@@ -205,7 +206,9 @@ impl Tracer {
         regs: &Regs,
         always: bool,
     ) -> Option<(PendingCopy, u64, u64)> {
-        if self.unwinds_with_libunwind(pid) {
+        // A free with a copy is booked at once (its stack follows): not
+        // while calls are held back for the attach's inventory.
+        if self.unwinds_with_libunwind(pid) || self.walking() {
             return None;
         }
         let sp = regs.rsp;
@@ -368,9 +371,18 @@ impl Tracer {
     }
 
     /// Book a finished call and send it down the pipeline.
+    /// While the attach's heap is walked, held back to be booked after it.
     pub(super) fn complete(&mut self, op: Op, facts: &CallFacts, stack: CallStack, module_id: u64) {
-        let msg = self.completed(op, facts, stack, module_id);
-        self.send(msg);
+        let held = HeldCall {
+            op,
+            facts: *facts,
+            stack,
+            module_id,
+        };
+        if let Some(call) = self.hold_back(held) {
+            let msg = self.completed(call.op, &call.facts, call.stack, call.module_id);
+            self.send(msg);
+        }
     }
 
     /// Book a finished call: its message for the pipeline.

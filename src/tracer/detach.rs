@@ -23,6 +23,7 @@ use super::stop::Stopped;
 use super::stopping::Stopping;
 use super::{TraceError, Tracer};
 use crate::os::mem;
+use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
@@ -69,6 +70,8 @@ impl Tracer {
     }
 
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
+        // The calls held back for the attach's inventory are booked first.
+        self.finish_inventory(true);
         let mut pause = PauseClock::start("detach");
         super::dying::detaching();
         let mut waiting: HashSet<Tid> = HashSet::new();
@@ -319,9 +322,7 @@ impl Tracer {
                 }
             }
             if keep_pages.contains(&pid) || workers.is_empty() {
-                self.stats
-                    .warnings
-                    .push(format!("process {pid}: trampoline pages left mapped"));
+                self.left_mapped(pid, None);
                 continue;
             }
             let mut last_error = None;
@@ -350,9 +351,7 @@ impl Tracer {
                 }
             }
             if let Some(err) = last_error {
-                self.stats.warnings.push(format!(
-                    "process {pid}: trampoline pages left mapped: {err}"
-                ));
+                self.left_mapped(pid, Some(err.to_string()));
             }
         }
         lap("restore");
@@ -468,9 +467,7 @@ impl Tracer {
                                     deferred.remove(&pid);
                                 }
                                 Err(err) => {
-                                    self.stats.warnings.push(format!(
-                                        "process {pid}: trampoline pages left mapped: {err}"
-                                    ));
+                                    self.left_mapped(pid, Some(err.to_string()));
                                     deferred.remove(&pid);
                                 }
                             }
@@ -491,9 +488,23 @@ impl Tracer {
             }
         }
         for pid in deferred.into_keys() {
-            self.stats
-                .warnings
-                .push(format!("process {pid}: trampoline pages left mapped"));
+            self.left_mapped(pid, None);
         }
+    }
+
+    /// Process `pid`'s trampoline pages could not be unmapped (`why`): a
+    /// warning, unless the process is gone or dying (its memory goes with
+    /// it: a backend of a forking server that ended during the detach).
+    fn left_mapped(&mut self, pid: Tid, why: Option<String>) {
+        let dying = procfs::threads(pid)
+            .map(|threads| threads.iter().all(|&t| procfs::thread_ending(pid, t)))
+            .unwrap_or(true);
+        if dying {
+            return;
+        }
+        self.stats.warnings.push(match why {
+            Some(why) => format!("process {pid}: trampoline pages left mapped: {why}"),
+            None => format!("process {pid}: trampoline pages left mapped"),
+        });
     }
 }

@@ -19,12 +19,18 @@
 //! program that wrote over its allocator's state), and that is a warning.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
+use super::ledger::{CallFacts, Ledger};
+use super::pauses::Pause;
 use super::process::Role;
 use super::{TraceMsg, Tracer};
+use crate::event::Op;
 use crate::heap::{self, HeapCopy, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
+use crate::unwind::pipeline::CallStack;
 
 /// The heap at attach, copied while the program waits, to be walked and
 /// sent on once it runs again ([`Tracer::take_inventory`]).
@@ -32,6 +38,34 @@ pub(super) struct Inventory {
     pid: Tid,
     ts_ns: u64,
     copy: Result<HeapCopy, String>,
+}
+
+/// The attach's heap copy walked by a thread of its own (int3 probes), and
+/// the calls completed meanwhile: booked after the inventory.
+pub(super) struct Walking {
+    walk: JoinHandle<Walked>,
+    /// The attach's pause, stored once its inventory is booked.
+    pause: Pause,
+    started: Instant,
+    calls: Vec<HeldCall>,
+}
+
+/// The heap at attach walked: its map, the ledger with its live blocks
+/// booked (it was empty), and their `inventory` events.
+struct Walked {
+    pid: Tid,
+    ts_ns: u64,
+    map: Result<HeapMap, String>,
+    ledger: Ledger,
+    events: Vec<TraceMsg>,
+}
+
+/// A call completed while the heap was walked, to book after it.
+pub(super) struct HeldCall {
+    pub op: Op,
+    pub facts: CallFacts,
+    pub stack: CallStack,
+    pub module_id: u64,
 }
 
 impl Tracer {
@@ -43,29 +77,122 @@ impl Tracer {
         Inventory { pid, ts_ns, copy }
     }
 
-    /// The program running again, before the wait loop reads any call it
+    /// The program running again, before the wait loop books any call it
     /// made since: the copy walked, the blocks live at the attach enter the
     /// ledger first (their frees pair with them), and their events and the
-    /// map go on. The calls made meanwhile wait in the rings (jump probes)
-    /// or at their breakpoint (int3) until the wait loop takes over, so
-    /// none is booked before the inventory and none is lost or counted
-    /// twice: the copy is of the instant before any was recorded.
-    pub(super) fn take_inventory(&mut self, inventory: Inventory) {
-        let Inventory { pid, ts_ns, copy } = inventory;
-        let map = copy.and_then(|copy| caught(|| Ok(copy.walk())));
-        if let Ok(map) = &map {
-            let blocks = map.live_blocks();
-            let events = self
-                .ledger
-                .inventory(pid as u32, pid as u32, ts_ns, &blocks);
-            self.progress.update(&self.ledger);
-            // Handing 200 k events to the pipeline waits for it to make
-            // room: a third of the attach's stop when it was in it.
-            for event in events {
-                self.send(TraceMsg::Record(Record::Event(event)));
+    /// map go on. With jump probes the calls made meanwhile wait in the
+    /// rings until the wait loop takes over. With int3 probes a call would
+    /// wait at its breakpoint for all of it (150-250 ms of a 200 k-block
+    /// heap): the walk and the ledger's inventory are made by a thread of
+    /// their own ([`Walking`]), and the calls completed meanwhile are held
+    /// back and booked after the inventory ([`Tracer::finish_inventory`]).
+    /// Either way none is booked before the inventory and none is lost or
+    /// counted twice: the copy is of the instant before any was recorded.
+    pub(super) fn take_inventory(&mut self, inventory: Inventory, pause: Pause) {
+        let started = Instant::now();
+        if self.jumps() {
+            let walked = walk_copy(inventory, std::mem::take(&mut self.ledger));
+            self.book_inventory(walked, pause, started);
+            return;
+        }
+        let (pid, ts_ns) = (inventory.pid, inventory.ts_ns);
+        // The ledger is empty at attach: the walk's thread fills it.
+        let ledger = std::mem::take(&mut self.ledger);
+        let walk = std::thread::Builder::new()
+            .name("memptrace-walk".into())
+            .spawn(move || walk_copy(inventory, ledger));
+        match walk {
+            Ok(walk) => {
+                self.control.walking = Some(Walking {
+                    walk,
+                    pause,
+                    started,
+                    calls: Vec::new(),
+                });
+            }
+            Err(err) => {
+                let walked = Walked {
+                    pid,
+                    ts_ns,
+                    map: Err(format!("no thread to walk the heap: {err}")),
+                    ledger: Ledger::new(),
+                    events: Vec::new(),
+                };
+                self.book_inventory(walked, pause, started);
             }
         }
+    }
+
+    /// The heap is being walked at attach (int3 probes): the calls
+    /// completed until the inventory is booked wait in [`Walking`].
+    pub(super) fn walking(&self) -> bool {
+        self.control.walking.is_some()
+    }
+
+    /// Hold back a call completed while the heap is walked; `None` if none
+    /// is (the caller books it).
+    pub(super) fn hold_back(&mut self, call: HeldCall) -> Option<HeldCall> {
+        match self.control.walking.as_mut() {
+            Some(walking) => {
+                walking.calls.push(call);
+                None
+            }
+            None => Some(call),
+        }
+    }
+
+    /// The attach's heap walk, if one runs: book it once done (`wait`:
+    /// wait for it), then the calls held back meanwhile, in order.
+    pub(super) fn finish_inventory(&mut self, wait: bool) {
+        let done = self
+            .control
+            .walking
+            .as_ref()
+            .is_some_and(|w| wait || w.walk.is_finished());
+        if !done {
+            return;
+        }
+        let Some(walking) = self.control.walking.take() else {
+            return;
+        };
+        let Walking {
+            walk,
+            pause,
+            started,
+            calls,
+        } = walking;
+        // A walk that panicked is caught inside; a thread that died all
+        // the same took the (empty) ledger with it.
+        let walked = walk.join().unwrap_or_else(|_| Walked {
+            pid: self.control.root,
+            ts_ns: 0,
+            map: Err("the heap walk failed".to_string()),
+            ledger: Ledger::new(),
+            events: Vec::new(),
+        });
+        self.book_inventory(walked, pause, started);
+        for call in calls {
+            self.complete(call.op, &call.facts, call.stack, call.module_id);
+        }
+    }
+
+    fn book_inventory(&mut self, walked: Walked, mut pause: Pause, started: Instant) {
+        let Walked {
+            pid,
+            ts_ns,
+            map,
+            ledger,
+            events,
+        } = walked;
+        self.ledger = ledger;
+        self.progress.update(&self.ledger);
+        // 150 000 events in one piece: pushed one by one, the batch grew
+        // by copies (and before, handing them over waited for the
+        // pipeline: a third of the attach's stop when it was in it).
+        self.out.append(events);
         self.send_heap(pid, ts_ns, "attach", map);
+        pause.after = Some(("inventory", started.elapsed()));
+        self.stats.pauses.push(pause);
     }
 
     /// The main thread of a traced process is exiting: its heap as it was
@@ -135,6 +262,28 @@ impl Tracer {
             map,
         };
         self.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
+    }
+}
+
+/// Walk the heap copied at attach and book the blocks live in it in
+/// `ledger` (the tracer's, empty at attach).
+fn walk_copy(inventory: Inventory, mut ledger: Ledger) -> Walked {
+    let Inventory { pid, ts_ns, copy } = inventory;
+    let map = copy.and_then(|copy| caught(|| Ok(copy.walk())));
+    let events = match &map {
+        Ok(map) => ledger
+            .inventory(pid as u32, pid as u32, ts_ns, &map.live_blocks())
+            .into_iter()
+            .map(|event| TraceMsg::Record(Record::Event(event)))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    Walked {
+        pid,
+        ts_ns,
+        map,
+        ledger,
+        events,
     }
 }
 

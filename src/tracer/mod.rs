@@ -209,6 +209,8 @@ struct Control {
     /// the first Ctrl-C ends the trace, since it cannot reach the program.
     attached: bool,
     deadline: Option<Instant>,
+    /// The attach's heap walked while the program runs (int3 probes).
+    walking: Option<heapmaps::Walking>,
 }
 
 pub struct Tracer {
@@ -276,6 +278,7 @@ impl Tracer {
                 held: HashMap::new(),
                 attached: false,
                 deadline,
+                walking: None,
             },
         }
     }
@@ -329,6 +332,7 @@ impl Tracer {
 
     /// After the wait loop, however it ended (`failed`: let the program go).
     fn wind_up(&mut self, failed: bool) -> Result<(), TraceError> {
+        self.finish_inventory(true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
         for pid in pids {
             self.warn_if_unhooked(pid);
@@ -345,7 +349,10 @@ impl Tracer {
             self.count_probes(pid);
         }
         self.warn_let_through();
-        self.flush()
+        if self.out.awaiting_copies() {
+            self.settle_finished();
+        }
+        Ok(self.out.send_ready(true)?)
     }
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {
@@ -370,6 +377,7 @@ impl Tracer {
             } else if self.out.full() {
                 self.flush()?;
             }
+            self.finish_inventory(false);
             match self.next_stop() {
                 Ok(Some((tid, stop))) => self.dispatch(tid, stop)?,
                 Ok(None) => {}
@@ -439,11 +447,12 @@ impl Tracer {
 
     /// Hand the batch to the pipeline, up to the first call still waiting for
     /// its thread's stack copy (see [`copies`]).
+    /// While the pipeline is busy the batch grows instead (see [`outbox`]).
     fn flush(&mut self) -> Result<(), TraceError> {
         if self.out.awaiting_copies() {
             self.settle_finished();
         }
-        Ok(self.out.send_ready()?)
+        Ok(self.out.send_ready(false)?)
     }
 
     fn now_ns(&self) -> u64 {
@@ -490,7 +499,13 @@ impl Tracer {
         if thread.copy.is_some() {
             self.settle_at_stop(tid, &stop);
         }
-        match Stopped::of(stop) {
+        let stopped = Stopped::of(stop);
+        // Only calls and signals are served while the attach's heap is
+        // walked: an exit, an exec or a thread's end books it first.
+        if matches!(stopped, Stopped::Gone | Stopped::Exec | Stopped::Exiting) {
+            self.finish_inventory(true);
+        }
+        match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
             Stopped::Trap => self.trap(tid),
             Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),

@@ -22,6 +22,14 @@ const BATCH: usize = 1024;
 /// unwinding stays near 32 MiB however deep the program's stacks are.
 const BATCH_BYTES: usize = 1 << 20;
 
+/// While the pipeline's queue is full, a batch grows (the tracer goes on
+/// serving stops: a thread at an int3 probe would wait for it) up to this
+/// many batches' worth of messages, or `BACKLOG_BYTES` of stack copies;
+/// then the tracer waits for room. So what waits for unwinding stays under
+/// 32 + 32 MiB of copies.
+const BACKLOG: usize = 64;
+const BACKLOG_BYTES: usize = 32 * BATCH_BYTES;
+
 pub struct Outbox {
     pipeline: PipelineHandle,
     batch: Vec<TraceMsg>,
@@ -139,6 +147,16 @@ impl Outbox {
         self.batch.get_mut(at)
     }
 
+    /// Append many messages at once (the attach's inventory).
+    pub fn append(&mut self, mut msgs: Vec<TraceMsg>) {
+        self.close_calls();
+        if self.batch.is_empty() {
+            self.batch = msgs;
+        } else {
+            self.batch.append(&mut msgs);
+        }
+    }
+
     /// Extend a batch with messages that belong in order where they are.
     pub fn extend(&mut self, msgs: impl IntoIterator<Item = TraceMsg>) {
         for msg in msgs {
@@ -146,8 +164,17 @@ impl Outbox {
         }
     }
 
-    /// Send the batch up to the first call still waiting for its copy.
-    pub fn send_ready(&mut self) -> Result<(), SinkError> {
+    /// The batch has grown as far as it may while the queue is full.
+    fn overfull(&self) -> bool {
+        self.batch.len() >= BACKLOG * BATCH
+            || self.bytes >= BACKLOG_BYTES
+            || self.calls >= BACKLOG * BATCH
+    }
+
+    /// Send the batch up to the first call still waiting for its copy;
+    /// unless `wait` or the batch is overfull, only if the pipeline's queue
+    /// has room (if not, the batch stays and grows).
+    pub fn send_ready(&mut self, wait: bool) -> Result<(), SinkError> {
         self.close_calls();
         let n = match self.awaiting.keys().next() {
             Some(&first) => (first - self.sent) as usize,
@@ -158,9 +185,16 @@ impl Outbox {
         }
         let rest = self.batch.split_off(n);
         let batch = std::mem::replace(&mut self.batch, rest);
+        if wait || self.overfull() {
+            self.pipeline.send(batch)?;
+        } else if let Some(mut back) = self.pipeline.try_send(batch)? {
+            back.append(&mut self.batch);
+            self.batch = back;
+            return Ok(());
+        }
         self.sent += n as u64;
         self.bytes = 0;
         self.calls = 0;
-        self.pipeline.send(batch)
+        Ok(())
     }
 }

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
 use super::framehop::FramehopUnwinder;
@@ -285,6 +285,23 @@ impl PipelineHandle {
             Some(tx) => tx
                 .send(batch)
                 .map_err(|_| SinkError::Stopped("the unwinding thread stopped".into())),
+            None => Err(SinkError::Stopped("the pipeline is finished".into())),
+        }
+    }
+
+    /// Send `batch` if the queue has room; if not, it comes back.
+    pub fn try_send(&self, batch: Vec<TraceMsg>) -> Result<Option<Vec<TraceMsg>>, SinkError> {
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        match &self.tx {
+            Some(tx) => match tx.try_send(batch) {
+                Ok(()) => Ok(None),
+                Err(TrySendError::Full(batch)) => Ok(Some(batch)),
+                Err(TrySendError::Disconnected(_)) => {
+                    Err(SinkError::Stopped("the unwinding thread stopped".into()))
+                }
+            },
             None => Err(SinkError::Stopped("the pipeline is finished".into())),
         }
     }

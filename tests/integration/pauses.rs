@@ -138,8 +138,18 @@ fn heap_live(t: &crate::support::Trace) -> BTreeMap<u64, u64> {
 /// most a block freed and one allocated per thread, or, should the thread
 /// hold its arena's lock, that arena left out (the tracee spends most of
 /// its time outside the allocator, so that this is rare).
+/// The exactness needs an attach that found no arena locked: each attach
+/// checks what holds either way, and up to 5 are made until one can be
+/// checked whole (a locked arena came in about 1 attach in 10 here).
 #[test]
 fn the_inventory_of_a_heap_changing_through_the_attach_is_exact() {
+    let checked = (0..5).any(|_| inventory_checked_exactly());
+    assert!(checked, "5 attaches in a row found an arena locked");
+}
+
+/// One attach to `busyheap`, checked; false if an arena was found locked
+/// (then only the rules that hold anyway were checked).
+fn inventory_checked_exactly() -> bool {
     let mut target = Background::start(
         std::process::Command::new(tracee(Variant::Dynamic, "busyheap"))
             .arg("20000")
@@ -191,8 +201,7 @@ fn the_inventory_of_a_heap_changing_through_the_attach_is_exact() {
              WHERE a.snapshot_id = s.id AND (a.error IS NOT NULL OR a.locked))",
     );
     if whole == 0 {
-        eprintln!("busyheap: the attach found an arena locked: exactness not checked");
-        return;
+        return false;
     }
     let phantoms: BTreeSet<u64> = traced
         .keys()
@@ -233,4 +242,5 @@ fn the_inventory_of_a_heap_changing_through_the_attach_is_exact() {
             None => assert!(missing.contains(&addr), "{addr:#x}"),
         }
     }
+    true
 }

@@ -157,6 +157,9 @@ pub struct Space {
     /// Rows of return paths published for each trampoline area (see
     /// [`retpaths`]), by its start.
     return_rows: HashMap<u64, usize>,
+    /// Images read before the threads stopped (attach), for the first
+    /// [`Space::refresh`].
+    pub ahead: images::Ahead,
 }
 
 impl Space {
@@ -194,6 +197,7 @@ impl Space {
             refused: None,
             stub: None,
             return_rows: HashMap::new(),
+            ahead: images::Ahead::default(),
         })
     }
 
@@ -264,6 +268,7 @@ impl Space {
             // In the child's copy of the trampoline areas.
             stub: self.stub,
             return_rows: HashMap::new(),
+            ahead: images::Ahead::default(),
         })
     }
 
@@ -336,10 +341,15 @@ impl Space {
         }
         if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {
             for module in &changes.added {
-                let table = tables::build(&module.image);
+                let table = self
+                    .ahead
+                    .take_table(module)
+                    .unwrap_or_else(|| tables::build(&module.image));
                 control.add_image(module.range.clone(), module.bias.0, &table);
             }
         }
+        // What was read ahead served the first look at the images.
+        self.ahead = images::Ahead::default();
         let added = changes.added.clone();
         for module in &added {
             if let Err(err) = self.hook(tid, module, &maps, &mut changes) {
@@ -369,7 +379,10 @@ impl Space {
         f: &ImageMapping,
         next_id: &mut u64,
     ) -> io::Result<Option<LoadedModule>> {
-        let image = images::load_image(self.pid, f)?;
+        let image = match self.ahead.image(f) {
+            Some(image) => image,
+            None => Arc::new(images::load_image(self.pid, f)?),
+        };
         let Some(bias) = image.load_bias(f.start, 0) else {
             return Ok(None);
         };
@@ -381,7 +394,7 @@ impl Space {
             range: f.start..f.end.max(image.avma_range(bias).end),
             bias,
             is_main: self.exe.as_deref() == Some(f.path.as_str()),
-            image: Arc::new(image),
+            image,
         };
         self.modules.insert(module.range.start, module.clone());
         Ok(Some(module))
