@@ -1,17 +1,17 @@
-//! The heap of a running process, read live: each arena copied and walked
-//! until it reads right, or until it is clear that it fails (damage) or
-//! kept changing under the reader (threads in the allocator).
+//! The heap of a running process, read live: each arena's chunks read and
+//! walked until it reads right, or until it is clear that it fails
+//! (damage) or kept changing under the reader (threads in the allocator).
 
-use super::frozen::Buffers;
+use super::chain::{Chain, Failed, Links, WINDOW, read_chain};
 use super::mmapped::{mmapped, pages};
 use super::tcache::tcaches;
-use super::walk::{Copy, begin, copy, each_arena, walk};
+use super::walk::{begin, each_arena, finish};
 use super::{Arena, Glibc, HeapMap, Residency};
-use crate::memory::{Memory, Snapshot};
+use crate::memory::Memory;
 use crate::os::procfs::Mapping;
 
-/// Read the whole heap of a running process: each arena copied and walked
-/// until it reads right (up to `attempts` times).
+/// Read the whole heap of a running process: each arena read and walked
+/// until it reads right (up to `attempts` times), through one window.
 pub(super) fn read_heap(
     mem: &dyn Memory,
     g: &Glibc,
@@ -23,34 +23,41 @@ pub(super) fn read_heap(
     let Some(sbrk_base) = sbrk_base else {
         return map;
     };
+    let mut window = Vec::with_capacity(WINDOW);
     let (read, bad_list) = each_arena(g, |arena, main| {
-        read_arena(mem, g, maps, arena, main, sbrk_base, attempts)
+        read_arena(mem, g, maps, arena, main, sbrk_base, attempts, &mut window)
     });
-    let mut all = Snapshot::new();
+    drop(window);
+    let mut links = Vec::new();
     for read in read {
         match read {
-            Ok((a, copy)) => {
-                all.merge(copy.mem);
+            Ok((a, kept)) => {
                 map.arenas.push(a);
+                links.push(kept);
             }
-            Err(a) => map.arenas.push(a),
+            Err(a) => {
+                map.arenas.push(a);
+                links.push(Links::default());
+            }
         }
     }
     map.arenas.extend(bad_list);
-    tcaches(&all, g, &mut map.arenas);
+    tcaches(g, &mut map.arenas, &links);
+    drop(links);
     mmapped(mem, g, maps, &mut map);
     pages(&mut map, residency);
     map
 }
 
-/// One arena, copied and walked until it reads right; and the next arena.
+/// One arena, read and walked until it reads right; and the next arena.
 ///
 /// A failure proves damage only where the arena stood still: in a live
 /// process a thread can take the mutex, change the bins and let go between
-/// the two reads of the mutex that frame a copy, so an unlocked copy that
+/// the two reads of the mutex that frame a read, so an unlocked read that
 /// fails its checks is damage only when the next attempt fails the same way
-/// on the same bytes (or when there is one attempt, the process stopped).
+/// on the same words (or when there is one attempt, the process stopped).
 /// An arena that failed differently each time was changing, not damaged.
+#[allow(clippy::too_many_arguments)]
 fn read_arena(
     mem: &dyn Memory,
     g: &Glibc,
@@ -59,44 +66,53 @@ fn read_arena(
     main: bool,
     sbrk_base: u64,
     attempts: u32,
-) -> (Result<(Arena, Copy), Arena>, Option<u64>) {
+    window: &mut Vec<u8>,
+) -> (Result<(Arena, Links), Arena>, Option<u64>) {
     let mut err = String::new();
     let mut next = None;
     let mut locked = false;
     let mut stable = attempts == 1;
-    // The last unlocked failure: its reason and its copy, if it copied.
-    let mut last: Option<(String, Option<Copy>)> = None;
+    // The last unlocked failure: its reason and the fingerprint of the
+    // words it read.
+    let mut last: Option<(String, u64)> = None;
     for attempt in 0..attempts {
         if attempt > 0 {
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        let failure = match copy(
-            mem,
-            g,
-            maps,
-            arena,
-            main,
-            sbrk_base,
-            &mut Buffers::default(),
-        ) {
-            Ok(c) => {
-                next = Some(c.next);
-                locked = c.locked;
-                if c.locked && attempt + 1 < attempts {
+        let more = attempt + 1 < attempts;
+        let read = read_chain(mem, g, maps, arena, main, sbrk_base, window, !more);
+        let failure = match read {
+            Ok(mut chain) => {
+                next = Some(chain.next);
+                locked = chain.arena.locked;
+                if locked && more {
                     continue;
                 }
-                match walk(g, arena, main, &c) {
-                    Ok(a) => return (Ok((a, c)), next),
-                    Err(e) if c.locked => {
+                match finish(g, &mut chain) {
+                    Ok(()) => {
+                        let Chain { arena, links, .. } = chain;
+                        return (Ok((arena, links)), next);
+                    }
+                    Err(e) if locked => {
                         err = e;
                         continue;
                     }
-                    Err(e) => (e, Some(c)),
+                    Err(e) => (e, chain.fingerprint),
                 }
             }
-            Err(e) => {
-                locked = false;
-                (e, None)
+            Err(Failed {
+                error,
+                locked: held,
+                next: told,
+                fingerprint,
+            }) => {
+                next = told.or(next);
+                locked = held;
+                if held {
+                    err = error;
+                    continue;
+                }
+                (error, fingerprint)
             }
         };
         err = failure.0.clone();

@@ -10,12 +10,18 @@
 //! their bin, tcache counts equal the lists). An arena that fails is kept
 //! with its reason and no chunks: nothing wrong is drawn or counted.
 //!
-//! A running process changes its heap while it is read. Each arena is
-//! copied whole while its mutex is free (looked at before and after), then
-//! walked on the copy; a copy that is locked or fails its checks is taken
-//! again, up to `attempts` times 2 ms apart. Arenas are copied one after
-//! the other, milliseconds apart: a live map is not one instant.
+//! The heap is read a window of a few MiB at a time (`heap::chain`): what
+//! memptrace holds for a map is the window, the chunks and a word per
+//! chunk, whatever the heap's size.
+//!
+//! A running process changes its heap while it is read. Each arena's
+//! chunks are read while its mutex is free (looked at before and after),
+//! then its lists walked on what was read; a read that is locked or fails
+//! its checks is made again, up to `attempts` times 2 ms apart. Arenas are
+//! read one after the other, milliseconds apart: a live map is not one
+//! instant.
 
+mod chain;
 mod dwarf;
 mod frozen;
 mod glibc;
@@ -372,8 +378,9 @@ pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
     Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), LIVE_ATTEMPTS))
 }
 
-/// The heap of a stopped process, copied: [`HeapCopy::walk`] makes its map
-/// later, the process running again (the copy is what needs it stopped).
+/// The heap of a stopped process, read: its chunks and the words its
+/// lists follow. [`HeapCopy::walk`] makes its map later, the process
+/// running again (the read is what needs it stopped).
 pub struct HeapCopy {
     pid: i32,
     frozen: frozen::Frozen,
@@ -386,9 +393,9 @@ impl HeapCopy {
     }
 }
 
-/// Copy the heap of process `pid`, every thread of which is stopped (by
-/// ptrace): each arena read once, in as few `process_vm_readv` calls as
-/// its heaps make, into `buffers` where they hold it.
+/// Read the heap of process `pid`, every thread of which is stopped (by
+/// ptrace): each arena's chunks read once, a window at a time, through the
+/// window in `buffers` ([`reserve_copy`]).
 pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
     let (mem, glibc, maps) = open_process(pid)?;
     Ok(HeapCopy {
@@ -397,11 +404,11 @@ pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
     })
 }
 
-/// Memory for [`copy_process`] to copy the heap of `pid` into, faulted in
-/// while it still runs (none when its heap cannot be read).
+/// The window [`copy_process`] reads the heap of `pid` through, faulted
+/// in while it still runs (none when its heap cannot be read).
 pub fn reserve_copy(pid: i32) -> Buffers {
     match open_process(pid) {
-        Ok((mem, glibc, _)) => frozen::reserve(&mem, &glibc),
+        Ok(_) => frozen::reserve(),
         Err(_) => Buffers::default(),
     }
 }

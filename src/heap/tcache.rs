@@ -3,20 +3,24 @@
 //! exactly as its counts say. Counts and links are the target's words: a
 //! count is at most 65535, a chunk is taken at most once, so a list that
 //! loops makes the candidate no tcache, in at most 64 x 65535 steps.
+//!
+//! It works on what the chains' reads kept ([`super::chain::Links`]): the
+//! bytes of each candidate and each small chunk's link word.
 
 use std::collections::HashSet;
 
+use super::chain::{Links, tcache_count, tcache_entry};
 use super::walk::{ChunkIndex, MINSIZE, reveal};
 use super::{Arena, ChunkState, Glibc, TCACHE_BINS};
-use crate::memory::Memory;
 
 /// Find each thread's `tcache_perthread_struct` (`uint16_t counts[64]`,
 /// then `tcache_entry *entries[64]`; `char` counts before 2.30) among the
-/// in-use chunks of its size, and the chunks its lists hold. A candidate is
-/// taken only when every list is exactly as long as its count and holds
-/// in-use chunks of its bin's size; one with every list empty only when it
-/// is the first chunk of its arena, where tcache_init puts it.
-pub(super) fn tcaches(mem: &dyn Memory, g: &Glibc, arenas: &mut [Arena]) {
+/// in-use chunks of its size kept in `links` (one per arena of `arenas`,
+/// in order), and the chunks its lists hold. A candidate is taken only
+/// when every list is exactly as long as its count and holds in-use chunks
+/// of its bin's size; one with every list empty only when it is the first
+/// chunk of its arena, where tcache_init puts it.
+pub(super) fn tcaches(g: &Glibc, arenas: &mut [Arena], links: &[Links]) {
     let index = ChunkIndex::new(
         arenas
             .iter()
@@ -30,18 +34,17 @@ pub(super) fn tcaches(mem: &dyn Memory, g: &Glibc, arenas: &mut [Arena]) {
             .collect(),
     );
     let safe_tries: &[bool] = match g.layout.safe_linking {
-        Some(s) => {
-            if s {
-                &[true]
-            } else {
-                &[false]
-            }
-        }
+        Some(true) => &[true],
+        Some(false) => &[false],
         None => &[true, false],
     };
     let mut found = Vec::new();
-    for (ai, a) in arenas.iter().enumerate() {
-        for (ci, c) in a.chunks.iter().enumerate() {
+    for (ai, (a, kept)) in arenas.iter().zip(links).enumerate() {
+        for (ci, bytes) in &kept.tcaches {
+            let ci = *ci;
+            let Some(c) = a.chunks.get(ci) else {
+                continue;
+            };
             if c.state != ChunkState::InUse {
                 continue;
             }
@@ -51,7 +54,7 @@ pub(super) fn tcaches(mem: &dyn Memory, g: &Glibc, arenas: &mut [Arena]) {
                 }
                 for &safe in safe_tries {
                     if let Some(entries) =
-                        tcache_lists(mem, c.addr + 16, count_bytes, safe, &index, arenas)
+                        tcache_lists(bytes, count_bytes, safe, &index, arenas, links)
                     {
                         if !entries.is_empty() || ci == 0 {
                             found.push(((ai, ci), entries));
@@ -70,31 +73,22 @@ pub(super) fn tcaches(mem: &dyn Memory, g: &Glibc, arenas: &mut [Arena]) {
     }
 }
 
-/// The chunks in the lists of the tcache at `user`, if it is one.
+/// The chunks in the lists of the tcache whose `counts` and `entries` are
+/// `bytes`, if it is one.
 fn tcache_lists(
-    mem: &dyn Memory,
-    user: u64,
+    bytes: &[u8],
     count_bytes: u64,
     safe: bool,
     index: &ChunkIndex<(usize, usize)>,
     arenas: &[Arena],
+    links: &[Links],
 ) -> Option<Vec<(usize, usize)>> {
-    let bins = TCACHE_BINS as u64;
-    if count_bytes != 1 && count_bytes != 2 {
-        return None;
-    }
-    let mut counts = vec![0u8; (bins * count_bytes) as usize];
-    mem.read_exact(user, &mut counts).ok()?;
-    let entries_at = user.checked_add(bins * count_bytes)?;
+    let count_bytes = usize::try_from(count_bytes).ok()?;
     let mut entries = Vec::new();
     let mut taken = HashSet::new();
-    for bin in 0..bins {
-        let count = if count_bytes == 2 {
-            u16::from_le_bytes([counts[2 * bin as usize], counts[2 * bin as usize + 1]]) as u64
-        } else {
-            counts[bin as usize] as u64
-        };
-        let mut e = mem.read_u64(entries_at.checked_add(8 * bin)?).ok()?;
+    for bin in 0..TCACHE_BINS {
+        let count = tcache_count(bytes, count_bytes, bin)?;
+        let mut e = tcache_entry(bytes, count_bytes, bin)?;
         // At most `count` (< 65536) turns, each taking a chunk not taken before.
         for _ in 0..count {
             if e == 0 || e % 16 != 0 {
@@ -103,13 +97,15 @@ fn tcache_lists(
             let (ai, ci) = index.get(e - 16)?;
             let c = arenas[ai].chunks[ci];
             if c.state != ChunkState::InUse
-                || c.size.checked_sub(MINSIZE).map(|s| s / 16) != Some(bin)
+                || c.size.checked_sub(MINSIZE).map(|s| s / 16) != Some(bin as u64)
                 || !taken.insert((ai, ci))
             {
                 return None;
             }
             entries.push((ai, ci));
-            e = reveal(e, mem.read_u64(e).ok()?, safe);
+            // An in-use chunk of a tcache bin's size: its `fd` (the
+            // entry's `next`) was kept.
+            e = reveal(e, *links.get(ai)?.words.get(ci)?, safe);
         }
         if e != 0 {
             return None;

@@ -5,6 +5,7 @@ use super::*;
 use crate::memory::Snapshot;
 
 mod hostile;
+mod window;
 
 const ARENA: u64 = 0x7f00_0000_0000;
 const MP: u64 = 0x7f00_0000_2000;
@@ -24,9 +25,14 @@ fn glibc() -> Glibc {
 /// The mappings of the hand-made process: the brk heap, then `more`
 /// (lines of /proc/PID/maps above it).
 fn maps(more: &str) -> Vec<crate::os::procfs::Mapping> {
+    heap_maps(HEAP_SIZE, more)
+}
+
+/// The same with a brk heap of `size` bytes.
+fn heap_maps(size: u64, more: &str) -> Vec<crate::os::procfs::Mapping> {
     crate::os::procfs::parse_maps(&format!(
         "{HEAP:x}-{:x} rw-p 00000000 00:00 0 [heap]\n{more}",
-        HEAP + HEAP_SIZE
+        HEAP + size
     ))
 }
 
@@ -47,11 +53,16 @@ impl Builder {
     /// Chunks of these sizes; `free` marks which are free (PREV_INUSE of
     /// the next cleared).
     fn new(sizes: &[(u64, bool)]) -> Builder {
+        Builder::sized(HEAP_SIZE, sizes)
+    }
+
+    /// The same in a heap of `heap_size` bytes.
+    fn sized(heap_size: u64, sizes: &[(u64, bool)]) -> Builder {
         let l = glibc().layout;
         let mut b = Builder {
             arena: vec![0; 2200],
             mp: vec![0; 136],
-            heap: vec![0; HEAP_SIZE as usize],
+            heap: vec![0; heap_size as usize],
             chunks: Vec::new(),
         };
         // Every bin empty: its fd and bk point at its own head.
@@ -61,7 +72,7 @@ impl Builder {
             put(&mut b.arena, l.bins + (bin - 1) * 16 + 8, head);
         }
         put(&mut b.arena, l.next, ARENA);
-        put(&mut b.arena, l.system_mem, HEAP_SIZE);
+        put(&mut b.arena, l.system_mem, heap_size);
         put(&mut b.mp, l.sbrk_base, HEAP);
         let mut at = 0;
         let mut prev_free = false;
@@ -71,7 +82,7 @@ impl Builder {
             at += size;
             prev_free = free;
         }
-        let top = HEAP_SIZE - at;
+        let top = heap_size - at;
         put(&mut b.heap, at + 8, top | if prev_free { 0 } else { 1 });
         put(&mut b.arena, l.top, HEAP + at);
         b
@@ -111,7 +122,8 @@ impl Builder {
     }
 
     fn read(&self) -> HeapMap {
-        read_heap(&self.memory(), &glibc(), &maps(""), &NoResidency, 1)
+        let maps = heap_maps(self.heap.len() as u64, "");
+        read_heap(&self.memory(), &glibc(), &maps, &NoResidency, 1)
     }
 }
 
@@ -214,9 +226,9 @@ fn walks_an_arena_and_adds_up_as_mallinfo2() {
     );
 }
 
-/// At attach the heap is copied while the program is stopped and walked
-/// once it runs: the map is the one read at once, and what the program
-/// writes after the copy is in none of it.
+/// At attach the heap's chunks are read while the program is stopped and
+/// walked once it runs: the map is the one read at once, and what the
+/// program writes after the read is in none of it.
 #[test]
 fn a_heap_copied_then_walked_is_the_heap_read_at_once() {
     let mut b = sample();
@@ -227,7 +239,7 @@ fn a_heap_copied_then_walked_is_the_heap_read_at_once() {
     assert_eq!(frozen::thaw(frozen, &NoResidency), expected);
     assert_eq!(expected.live_blocks().len(), 3);
 
-    // An arena whose copy does not walk: the same error, no chunks.
+    // An arena that does not walk: the same error, no chunks.
     let mut broken = sample();
     put(&mut broken.heap, 0x290 + 8, 0x9990 | 1);
     let frozen = frozen::freeze(&broken.memory(), &glibc(), &maps(""), Buffers::default());
@@ -236,27 +248,13 @@ fn a_heap_copied_then_walked_is_the_heap_read_at_once() {
     assert!(map.arenas[0].error.as_deref().unwrap().contains("bad size"));
 }
 
-/// The heap is copied into memory reserved ahead: each heap into the
-/// smallest buffer that holds it, a few pages into none.
+/// The heap is read through a window reserved ahead (faulted in while
+/// the program runs), the same map as through a new one.
 #[test]
-fn copies_take_the_smallest_buffer_that_holds_them() {
-    let mut buffers = Buffers(vec![
-        Vec::with_capacity(1 << 20),
-        Vec::with_capacity(4 << 20),
-    ]);
-    assert!(buffers.take(4096).capacity() < 1 << 20);
-    assert_eq!(buffers.take(2 << 20).capacity(), 4 << 20);
-    assert_eq!(buffers.take(128 << 10).capacity(), 1 << 20);
-    assert_eq!(buffers.take(256 << 10).capacity(), 256 << 10);
-
-    // Reserved from the arenas' system_mem, and the copy the same.
+fn a_reserved_window_reads_the_same_heap() {
+    let reserved = frozen::reserve();
+    assert_eq!(reserved.0.len(), chain::WINDOW);
     let b = sample();
-    let reserved = frozen::reserve(&b.memory(), &glibc());
-    assert_eq!(reserved.0.len(), 1);
-    assert_eq!(
-        reserved.0[0].len() as u64,
-        HEAP_SIZE + HEAP_SIZE / 4 + (1 << 20)
-    );
     let frozen = frozen::freeze(&b.memory(), &glibc(), &maps(""), reserved);
     assert_eq!(frozen::thaw(frozen, &NoResidency), b.read());
 }

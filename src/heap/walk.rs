@@ -1,7 +1,8 @@
-//! The walk itself (glibc `malloc/malloc.c`, `malloc/arena.c`): copy an
-//! arena while its mutex is free, walk its chunks from the first to `top`,
-//! then its fastbins and bins on the copy; after every arena, the tcaches
-//! and the mmapped blocks.
+//! The walk itself (glibc `malloc/malloc.c`, `malloc/arena.c`): an
+//! arena's chunks read from the first to `top` a window at a time
+//! ([`super::chain`], while its mutex is free), then its fastbins and bins
+//! on what that read kept; after every arena, the tcaches and the mmapped
+//! blocks.
 //!
 //! A chunk is 16-byte aligned: `prev_size`, then `size` whose low bits are
 //! PREV_INUSE (the chunk before is in use), IS_MMAPPED and NON_MAIN_ARENA.
@@ -16,10 +17,9 @@
 
 use std::collections::HashSet;
 
-use super::frozen::Buffers;
-use super::{Arena, Chunk, ChunkState, Glibc, HeapMap, HeapRange};
-use crate::memory::{Memory, Snapshot};
-use crate::os::procfs::Mapping;
+use super::chain::{Chain, field};
+use super::{Arena, ChunkState, Glibc, HeapMap};
+use crate::memory::Memory;
 
 pub(super) const PREV_INUSE: u64 = 1;
 pub(super) const IS_MMAPPED: u64 = 2;
@@ -28,9 +28,6 @@ pub(super) const MINSIZE: u64 = 32;
 pub(super) const PAGE: u64 = 4096;
 /// Most arenas followed on the `next` list (glibc allows 8 per core).
 const MAX_ARENAS: usize = 4096;
-/// The heap is copied this many bytes at a time, so that a length read
-/// from the target is allocated only as far as it can be read.
-const PIECE: u64 = 16 << 20;
 
 pub(super) type Walked<T> = Result<T, String>;
 
@@ -52,7 +49,7 @@ impl<T: std::marker::Copy> ChunkIndex<T> {
     }
 }
 
-fn word(mem: &dyn Memory, addr: u64) -> Walked<u64> {
+pub(super) fn word(mem: &dyn Memory, addr: u64) -> Walked<u64> {
     mem.read_u64(addr)
         .map_err(|e| format!("cannot read {addr:#x}: {e}"))
 }
@@ -68,7 +65,7 @@ pub(super) fn align16(x: u64) -> Option<u64> {
     Some(x.checked_add(15)? & !15)
 }
 
-fn aligned16(x: u64) -> Walked<u64> {
+pub(super) fn aligned16(x: u64) -> Walked<u64> {
     align16(x).ok_or_else(|| format!("{x:#x} overflows when aligned"))
 }
 
@@ -81,283 +78,45 @@ pub(super) fn reveal(at: u64, stored: u64, safe_linking: bool) -> u64 {
     }
 }
 
-/// The fields of `malloc_state` the walk needs.
-pub(super) struct State {
-    mutex: u32,
-    top: u64,
-    pub(super) next: u64,
-    pub(super) system_mem: u64,
-}
-
-pub(super) fn state(mem: &dyn Memory, g: &Glibc, arena: u64) -> Walked<State> {
-    let l = &g.layout;
-    Ok(State {
-        mutex: word(mem, arena)? as u32,
-        top: word(mem, add(arena, l.top)?)?,
-        next: word(mem, add(arena, l.next)?)?,
-        system_mem: word(mem, add(arena, l.system_mem)?)?,
-    })
-}
-
-/// An arena copied: its `malloc_state` and its heaps, and whether its mutex
-/// was held.
-#[derive(PartialEq)]
-pub(super) struct Copy {
-    pub(super) mem: Snapshot,
-    pub(super) heaps: Vec<HeapRange>,
-    pub(super) locked: bool,
-    pub(super) next: u64,
-}
-
-/// The bytes from `start` to `end`, read [`PIECE`] at a time: a length
-/// the target made up fails at its first unmapped piece instead of being
-/// allocated whole.
-fn read_range(mem: &dyn Memory, start: u64, end: u64, buffers: &mut Buffers) -> Walked<Vec<u8>> {
-    let len = end
-        .checked_sub(start)
-        .ok_or_else(|| format!("the range {start:#x}..{end:#x} ends before it starts"))?;
-    // The main arena's range was checked against the mappings, a thread
-    // arena's is at most HEAP_MAX: the length can be reserved at once,
-    // sparing a reallocation and copy per piece (or taken from memory
-    // faulted in before the program was stopped).
-    let mut bytes = buffers.take(len as usize);
-    let mut done = 0;
-    while done < len {
-        let n = (len - done).min(PIECE);
-        let old = bytes.len();
-        bytes.resize(old + n as usize, 0);
-        let at = start + done;
-        mem.read_exact(at, &mut bytes[old..])
-            .map_err(|e| format!("cannot read the heap at {at:#x}: {e}"))?;
-        done += n;
-    }
-    Ok(bytes)
-}
-
-/// True when the mappings `maps` (in address order) cover `start..end`
-/// without a hole.
-fn covered(maps: &[Mapping], start: u64, end: u64) -> bool {
-    let mut at = start;
-    for m in maps {
-        if at >= end {
-            break;
-        }
-        if m.start <= at && at < m.end {
-            at = m.end;
-        }
-    }
-    at >= end
-}
-
-/// Copy arena `arena`: its state, then the memory its chunks are in.
-/// `maps`: the process's mappings, which the main arena's heap must lie in
-/// (its `system_mem` is a length the target states, and what the walk
-/// allocates for its pages follows it).
-pub(super) fn copy(
-    mem: &dyn Memory,
-    g: &Glibc,
-    maps: &[Mapping],
-    arena: u64,
-    main: bool,
-    sbrk_base: u64,
-    buffers: &mut Buffers,
-) -> Walked<Copy> {
-    let l = &g.layout;
-    let before = state(mem, g, arena)?;
-    let mut snap = Snapshot::new();
-    let mut heaps = Vec::new();
-    // The top chunk's body is never read, and is often most of the heap
-    // (16 of 21 MiB in a Python at its exit): copy up to its header only.
-    let used_end = |start: u64, end: u64| match before.top {
-        top if top >= start && top < end => top.saturating_add(16).min(end),
-        _ => end,
-    };
-    if main {
-        snap = snap.with_owned(
-            arena,
-            read_range(mem, arena, add(arena, l.state_size)?, buffers)?,
-        );
-        if before.system_mem > 0 {
-            let end = add(sbrk_base, before.system_mem)?;
-            if !covered(maps, sbrk_base, end) {
-                return Err(format!(
-                    "its heap {sbrk_base:#x}..{end:#x} (system_mem) is not all mapped"
-                ));
-            }
-            let used = used_end(sbrk_base, end);
-            snap = snap.with_owned(sbrk_base, read_range(mem, sbrk_base, used, buffers)?);
-            heaps.push(HeapRange {
-                start: sbrk_base,
-                end,
-            });
-        }
-    } else {
-        // The newest heap holds top; each heap_info names the one before
-        // (`heap_info`: ar_ptr, prev, size, ...).
-        let mask = !(l.heap_max.max(PAGE) - 1);
-        let mut h = before.top & mask;
-        let mut seen = HashSet::new();
-        while h != 0 {
-            let ar_ptr = word(mem, h)?;
-            let prev = word(mem, add(h, 8)?)?;
-            let size = word(mem, add(h, 16)?)?;
-            if ar_ptr != arena
-                || size == 0
-                || size > l.heap_max
-                || size % PAGE != 0
-                || h & !mask != 0
-            {
-                return Err(format!(
-                    "heap {h:#x} is not one of this arena's (arena {ar_ptr:#x}, size {size:#x})"
-                ));
-            }
-            if !seen.insert(h) || heaps.len() > (1 << 16) {
-                return Err(format!("the list of heaps does not end (at {h:#x})"));
-            }
-            let end = add(h, size)?;
-            snap = snap.with_owned(h, read_range(mem, h, used_end(h, end), buffers)?);
-            heaps.push(HeapRange { start: h, end });
-            h = prev;
-        }
-        heaps.reverse();
-    }
-    let after = word(mem, arena)? as u32;
-    Ok(Copy {
-        mem: snap,
-        heaps,
-        locked: before.mutex != 0 || after != 0,
-        next: before.next,
-    })
-}
-
-/// Walk one arena on its copy.
-pub(super) fn walk(g: &Glibc, arena: u64, main: bool, c: &Copy) -> Walked<Arena> {
-    let mem: &dyn Memory = &c.mem;
-    let l = &g.layout;
-    let st = state(mem, g, arena)?;
-    let mut a = Arena {
-        addr: arena,
-        main,
-        heaps: c.heaps.clone(),
-        system_mem: st.system_mem,
-        locked: c.locked,
-        ..Arena::default()
-    };
-    if main && st.system_mem == 0 {
-        return Ok(a);
-    }
-    if main && !c.heaps.iter().any(|h| st.top >= h.start && st.top < h.end) {
-        return Err(format!(
-            "top {:#x} is outside the brk area: a main arena that is not contiguous is not supported",
-            st.top
-        ));
-    }
-    let system = c
-        .heaps
-        .iter()
-        .try_fold(0u64, |sum, h| sum.checked_add(h.end.checked_sub(h.start)?));
-    if system != Some(st.system_mem) {
-        let system = system.map_or("too many".to_string(), |s| s.to_string());
-        return Err(format!(
-            "its heaps hold {system} bytes, its system_mem says {}",
-            st.system_mem
-        ));
-    }
-    // Where a thread arena's heap_info ends: the arena follows it in its
-    // first heap.
-    let heap_info = arena & (l.heap_max.max(PAGE) - 1);
-    for (i, h) in c.heaps.iter().enumerate() {
-        let last = i + 1 == c.heaps.len();
-        let start = if main {
-            aligned16(h.start)?
-        } else if i == 0 {
-            aligned16(add(arena, l.state_size)?)?
-        } else {
-            aligned16(add(h.start, heap_info)?)?
-        };
-        walk_heap(mem, &mut a, start, h.end, last.then_some(st.top))?;
-    }
+/// The second half of the walk, on what [`super::chain::read_chain`]
+/// kept (no process needed): the fastbins and the bins of `chain`'s arena,
+/// each list checked against its chunks.
+pub(super) fn finish(g: &Glibc, chain: &mut Chain) -> Walked<()> {
     let index = ChunkIndex::new(
-        a.chunks
+        chain
+            .arena
+            .chunks
             .iter()
             .enumerate()
             .map(|(i, c)| (c.addr, i))
             .collect(),
     );
-    fastbins(mem, g, &mut a, &index)?;
-    bins(mem, g, &mut a, &index)?;
-    Ok(a)
+    let Chain {
+        arena,
+        state,
+        links,
+        ..
+    } = chain;
+    fastbins(state, &links.words, g, arena, &index)?;
+    bins(state, &links.words, g, arena, &index)
 }
 
-/// The chunks from `start` to `end`; in the newest heap the chain ends at
-/// `top`, which must end the heap; in older ones at a zero-sized fencepost.
-fn walk_heap(
-    mem: &dyn Memory,
-    a: &mut Arena,
-    start: u64,
-    end: u64,
-    top: Option<u64>,
-) -> Walked<()> {
-    // Each turn moves `p` up by at least 16 bytes, and `p` never passes
-    // `end`: the loop ends.
-    let mut p = start;
-    loop {
-        if Some(p) == top {
-            let size = word(mem, add(p, 8)?)? & !SIZE_BITS;
-            if p.checked_add(size) != Some(end) {
-                return Err(format!(
-                    "top {p:#x} ({size} bytes) does not end its heap at {end:#x}"
-                ));
-            }
-            a.top_size = size;
-            a.chunks.push(Chunk {
-                addr: p,
-                size,
-                state: ChunkState::Top,
-            });
-            return Ok(());
-        }
-        if p.checked_add(16).is_none_or(|header_end| header_end > end) {
-            return Err(match top {
-                Some(top) => format!("the chunks end at {p:#x} without reaching top {top:#x}"),
-                None => format!("the chunks of heap ending at {end:#x} run past it"),
-            });
-        }
-        let size = word(mem, p + 8)? & !SIZE_BITS;
-        if top.is_none() && size == 0 {
-            return Ok(());
-        }
-        if top.is_none() && size == 16 {
-            a.chunks.push(Chunk {
-                addr: p,
-                size,
-                state: ChunkState::Fencepost,
-            });
-            p += 16;
-            continue;
-        }
-        let next = p
-            .checked_add(size)
-            .filter(|next| next.checked_add(16).is_some_and(|n| n <= end));
-        let Some(next) = next.filter(|_| size >= MINSIZE && size % 16 == 0) else {
-            return Err(format!("chunk {p:#x} has a bad size {size:#x}"));
-        };
-        let in_use = word(mem, next + 8)? & PREV_INUSE != 0;
-        a.chunks.push(Chunk {
-            addr: p,
-            size,
-            state: if in_use {
-                ChunkState::InUse
-            } else {
-                ChunkState::Free
-            },
-        });
-        p = next;
-    }
+/// The link word kept for chunk `i` (one per chunk).
+fn link(links: &[u64], i: usize) -> Walked<u64> {
+    links
+        .get(i)
+        .copied()
+        .ok_or_else(|| format!("no link word for chunk {i}"))
 }
 
 /// The fastbins: singly linked through `fd`, mangled since 2.32.
-fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -> Walked<()> {
+fn fastbins(
+    state: &[u8],
+    links: &[u64],
+    g: &Glibc,
+    a: &mut Arena,
+    index: &ChunkIndex<usize>,
+) -> Walked<()> {
     let l = &g.layout;
     let tries: &[bool] = match l.safe_linking {
         Some(true) => &[true],
@@ -370,7 +129,7 @@ fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize
         let mut taken = vec![false; a.chunks.len()];
         let walked = (|| -> Walked<()> {
             for bin in 0..l.nfastbins as u64 {
-                let mut p = word(mem, add(a.addr, add(l.fastbins, 8 * bin)?)?)?;
+                let mut p = field(state, add(l.fastbins, 8 * bin)?)?;
                 // Each chunk is taken once: the list ends.
                 while p != 0 {
                     let i = index
@@ -385,8 +144,8 @@ fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize
                     }
                     taken[i] = true;
                     found.push(i);
-                    let link = add(p, 16)?;
-                    p = reveal(link, word(mem, link)?, safe);
+                    // An in-use chunk of a fastbin's size: its `fd` kept.
+                    p = reveal(add(p, 16)?, link(links, i)?, safe);
                 }
             }
             Ok(())
@@ -408,7 +167,13 @@ fn fastbins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize
 
 /// The regular bins: doubly linked lists through `fd`/`bk` whose heads are
 /// in `bins` (`bin_at`: a fake chunk 16 bytes before each pair).
-fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -> Walked<()> {
+fn bins(
+    state: &[u8],
+    links: &[u64],
+    g: &Glibc,
+    a: &mut Arena,
+    index: &ChunkIndex<usize>,
+) -> Walked<()> {
     let l = &g.layout;
     let mut binned = vec![false; a.chunks.len()];
     for bin in 1..l.nbins as u64 {
@@ -416,7 +181,8 @@ fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -
             .checked_sub(16)
             .and_then(|h| h.checked_add((bin - 1) * 16))
             .ok_or_else(|| format!("bin {bin} of arena {:#x} is outside memory", a.addr))?;
-        let mut p = word(mem, add(head, 24)?)?;
+        // The bin's `bk`, in malloc_state.
+        let mut p = field(state, add(l.bins, (bin - 1) * 16 + 8)?)?;
         // Each chunk is binned once: the list ends.
         while p != head {
             let i = index
@@ -428,7 +194,8 @@ fn bins(mem: &dyn Memory, g: &Glibc, a: &mut Arena, index: &ChunkIndex<usize>) -
             binned[i] = true;
             a.bin_blocks += 1;
             a.bin_bytes = add(a.bin_bytes, a.chunks[i].size)?;
-            p = word(mem, add(p, 24)?)?;
+            // A free chunk: its `bk` kept.
+            p = link(links, i)?;
         }
     }
     let free = a

@@ -11,6 +11,7 @@
 mod api;
 mod attach;
 mod bad_input;
+mod bigheap;
 mod cli;
 mod debuginfod;
 mod docs;

@@ -56,7 +56,7 @@ fn truth(stdout: &str) -> Truth {
 }
 
 /// mallinfo2 of the stored snapshot taken at `moment`.
-fn stored_mallinfo(t: &Trace, moment: &str) -> Vec<u64> {
+pub(crate) fn stored_mallinfo(t: &Trace, moment: &str) -> Vec<u64> {
     t.db.query_row(
         &format!(
             "SELECT {} FROM heap_mallinfo m JOIN heap_snapshots s ON s.id = m.snapshot_id

@@ -39,8 +39,9 @@ const TRACEES: [&str; 24] = [
     "spawner", "scribble", "cnames", "execs", "sigstack", "clib",
 ];
 
-/// Tracees of the heap walker's untrusted input and of the attach's pauses.
-const MORE_TRACEES: [&str; 3] = ["hostile_heap", "gaps", "busyheap"];
+/// Tracees of the heap walker's untrusted input, of the attach's pauses
+/// and of a large heap.
+const MORE_TRACEES: [&str; 4] = ["hostile_heap", "gaps", "busyheap", "bigheap"];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
 /// each tracee function really calls the allocator and stays on the stack.
