@@ -5,14 +5,18 @@
  * calloc and realloc are defined here and interpose the C library's.
  *
  * The main thread allocates in a tight loop (outer_alloc, outer_release)
- * while an interval timer fires SIGALRM every 50 us (or as told); the handler allocates
- * and frees (handler_alloc, handler_release) and counts its calls. The main
- * thread's calls are all outermost: each is recorded. A handler's call is
- * recorded unless it interrupted one of the thread's allocator functions
- * (or, with int3 probes, memptrace's code serving a call), when it is
- * counted in meta.nested_calls instead: together they add up exactly. With
- * jump probes, a handler's call inside a probe is recorded (the thread's
- * signal slot). Nothing may be lost or corrupted.
+ * while an interval timer fires SIGALRM every 50 us (or as told); the handler allocates,
+ * grows and frees (handler_alloc, handler_resize, handler_release) and counts
+ * its calls, and the calls realloc makes inside itself (one malloc each:
+ * never recorded, always counted in meta.nested_calls). The main thread's
+ * calls are all outermost: each is recorded. With int3 probes a handler's
+ * call is always recorded (a level of its own while the call it interrupted
+ * is pending), so meta.nested_calls is exactly the inner calls. With jump
+ * probes a handler's call is recorded unless it interrupted one of the
+ * thread's allocator functions, when it is counted in meta.nested_calls
+ * instead (a call inside a probe is recorded: the thread's signal slot):
+ * recorded calls and nested_calls add up exactly. Nothing may be lost or
+ * corrupted.
  *
  * usage: sigalloc [ITERATIONS [INTERVAL_US]]     (default 200000, 50) */
 #include <signal.h>
@@ -23,7 +27,7 @@
 #include "truth.h"
 
 void *volatile truth_sink;
-static volatile long handler_calls;
+static volatile long handler_calls, handler_inner;
 
 static char arena[96 << 20] __attribute__((aligned(16)));
 static atomic_size_t used;
@@ -81,6 +85,13 @@ NOINLINE void *handler_alloc(size_t n)
     return p;
 }
 
+NOINLINE void *handler_resize(void *p, size_t n)
+{
+    void *q = realloc(p, n);
+    truth_sink = q;
+    return q;
+}
+
 NOINLINE void handler_release(void *p)
 {
     free(p);
@@ -90,8 +101,9 @@ NOINLINE void handler_release(void *p)
 static void on_alarm(int sig)
 {
     (void)sig;
-    handler_release(handler_alloc(24));
-    handler_calls += 2;
+    handler_release(handler_resize(handler_alloc(24), 48));
+    handler_calls += 3;
+    handler_inner += 1; /* realloc's malloc */
 }
 
 int main(int argc, char **argv)
@@ -117,5 +129,6 @@ int main(int argc, char **argv)
     truth("outer_alloc", "malloc", n, bytes);
     truth("outer_release", "free", n, 0);
     printf("handler_calls %ld\n", handler_calls);
+    printf("handler_inner %ld\n", handler_inner);
     return 0;
 }

@@ -116,8 +116,11 @@ pub fn syscall_stop(tid: Tid) -> io::Result<SyscallStop> {
     })
 }
 
-pub fn single_step(tid: Tid) -> io::Result<()> {
-    request(libc::PTRACE_SINGLESTEP, tid, 0, 0).map(drop)
+/// Resume a stopped thread for one instruction, delivering `sig` (0 for
+/// none). With a signal that has a handler, the thread stops at the
+/// handler's first instruction instead (`ptrace(2)`, PTRACE_SINGLESTEP).
+pub fn single_step(tid: Tid, sig: i32) -> io::Result<()> {
+    request(libc::PTRACE_SINGLESTEP, tid, 0, sig as usize).map(drop)
 }
 
 pub fn detach(tid: Tid, sig: i32) -> io::Result<()> {

@@ -16,8 +16,10 @@
 //! calls (four without the routine), a return two, and nothing is written to
 //! the target's stack. Only a thread's
 //! outermost allocator call is recorded: an entry below a pending call of the
-//! same thread (realloc(NULL, n) entering malloc) just passes through. The
-//! bookkeeping runs after the thread is resumed.
+//! same thread (realloc(NULL, n) entering malloc) just passes through, unless
+//! a signal handler that interrupted the pending call makes it
+//! (see [`super::handlers`]). The bookkeeping runs after the thread is
+//! resumed.
 
 use super::callsite;
 use super::copies::{CopyInto, PendingCopy};
@@ -144,6 +146,9 @@ impl Tracer {
         ops: &[Op],
     ) -> Result<(), TraceError> {
         let thread = self.family.threads.get_mut(&tid).expect("known thread");
+        // A handler that interrupted a call and has returned since: that
+        // call is pending again (see `handlers`).
+        self.stats.lost_returns += thread.leave_handlers(regs.rsp);
         if let Some(call) = &thread.in_call {
             // The stack grows down: an entry below the pending call's frame is
             // inside it, including a tail call from it (musl's memalign jumps
@@ -332,6 +337,7 @@ impl Tracer {
     /// 16 bytes below the entry's stack pointer, and `ret` popped it.
     pub(super) fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<PendingCall> {
         let thread = self.family.threads.get_mut(&tid)?;
+        self.stats.lost_returns += thread.leave_handlers(rsp);
         let ours = thread
             .in_call
             .as_ref()

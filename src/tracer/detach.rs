@@ -199,7 +199,7 @@ impl Tracer {
         // Allocator calls, and mapping calls, entered through a stub.
         let mut pending: Vec<(Tid, Tid, u64, u64)> = Vec::new();
         for (&tid, t) in self.family.threads.iter_mut() {
-            if let Some(c) = t.in_call.take() {
+            for c in t.take_calls() {
                 pending.push((tid, t.pid, c.entry_sp, c.stub));
             }
             if let Some(m) = t.in_map.take() {

@@ -24,7 +24,8 @@ impl Tracer {
             }
         }
         if let Some(thread) = self.family.threads.get_mut(&tid) {
-            thread.in_call = None;
+            thread.take_calls();
+            thread.stepping = false;
             thread.in_map = None;
             thread.stack = None;
         }

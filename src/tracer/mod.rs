@@ -24,6 +24,7 @@ mod detach;
 mod dying;
 mod failopen;
 mod failure;
+mod handlers;
 mod heapmaps;
 mod images;
 mod inject;
@@ -507,13 +508,14 @@ impl Tracer {
         }
         match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
+            Stopped::Trap if self.step_ended(tid) => self.resume(tid, 0),
             Stopped::Trap => self.trap(tid),
             Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
             Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
                 Some(to) => self.recover_walk(tid, to),
                 None => self.resume(tid, sig),
             },
-            Stopped::Fault(sig) | Stopped::Signal(sig) => self.resume(tid, sig),
+            Stopped::Fault(sig) | Stopped::Signal(sig) => self.deliver(tid, sig),
             Stopped::Birth(event) => {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)
@@ -525,9 +527,7 @@ impl Tracer {
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
                 if let Some(thread) = self.family.threads.get_mut(&tid) {
-                    if thread.in_call.take().is_some() {
-                        self.stats.lost_returns += 1;
-                    }
+                    self.stats.lost_returns += thread.take_calls().len() as u64;
                 }
                 self.resume(tid, 0)
             }
@@ -584,7 +584,7 @@ impl Tracer {
         if self.family.pid_of(tid) == Some(tid) {
             self.end_sharing(tid);
         }
-        let Some(thread) = self.family.threads.remove(&tid) else {
+        let Some(mut thread) = self.family.threads.remove(&tid) else {
             return Ok(());
         };
         if let Some(lu) = self
@@ -595,9 +595,7 @@ impl Tracer {
         {
             lu.forget_thread(tid);
         }
-        if thread.in_call.is_some() {
-            self.stats.lost_returns += 1;
-        }
+        self.stats.lost_returns += thread.take_calls().len() as u64;
         if tid != thread.pid {
             return Ok(());
         }

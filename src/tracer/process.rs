@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use super::copies::PendingCopy;
+use super::handlers::HandlerFrame;
 use super::space::Space;
 use crate::event::Op;
 use crate::os::ptrace::{Stop, Tid};
@@ -98,7 +99,15 @@ pub struct PendingCall {
 /// One traced thread.
 pub struct Thread {
     pub pid: Tid,
+    /// The thread's innermost call pending (of the handler running, if one
+    /// interrupted a call).
     pub in_call: Option<PendingCall>,
+    /// Signal handlers that interrupted a pending call, innermost last
+    /// (see [`super::handlers`]).
+    pub handlers: Vec<HandlerFrame>,
+    /// Sent into a signal with a single step: its next SIGTRAP may be the
+    /// step's (see [`super::handlers`]).
+    pub stepping: bool,
     /// The memory mapping that holds this thread's stack.
     pub stack: Option<Range<u64>>,
     pub start_ns: u64,
@@ -127,6 +136,8 @@ impl Thread {
         Thread {
             pid,
             in_call: None,
+            handlers: Vec::new(),
+            stepping: false,
             stack: None,
             start_ns,
             copy: None,

@@ -1,0 +1,221 @@
+//! Signal handlers that run while a thread's allocator call is pending
+//! (int3 probes): the handler's own calls are recorded whole, and the
+//! interrupted call's return is still matched to its entry.
+//!
+//! A thread with a call pending (entry seen, return not yet) that is sent
+//! a signal is stepped into it (PTRACE_SINGLESTEP with the signal): the
+//! kernel builds the handler's frame and reports a SIGTRAP stop at the
+//! handler's first instruction before it runs (`signal_delivered`,
+//! kernel/signal.c; si_code SIGTRAP), or, when no handler runs, after one
+//! instruction (si_code TRAP_TRACE). At the first, the thread's stack
+//! pointer is the handler's frame: the pending call is put aside with it
+//! ([`HandlerFrame`]), and a call entered below that frame is the
+//! handler's, the outermost of a level of its own. A call entered below a
+//! pending call of the same level is the allocator's own (realloc entering
+//! malloc): not recorded, as ever.
+//!
+//! Nothing tells memptrace when a handler returns (rt_sigreturn is not
+//! traced): the first stop of an entry or a return whose stack pointer is
+//! not inside the frame's stack below it ends the frame, and the call it
+//! interrupted is pending again. The frame lies below the interrupted
+//! stack pointer by the 128-byte red zone and the saved registers (over a
+//! kilobyte with the FPU state), deeper than the allocator's own calls go.
+
+use super::process::{PendingCall, Thread};
+use super::{TraceError, Tracer};
+use crate::os::procfs;
+use crate::os::ptrace::{self, Tid};
+
+/// si_code of the stop at a handler's first instruction after a step
+/// into a signal (`ptrace_notify(SIGTRAP)`).
+const AT_HANDLER: i32 = libc::SIGTRAP;
+/// si_code of a single-step trap (`TRAP_TRACE`, siginfo.h): no handler ran.
+const TRAP_TRACE: i32 = 2;
+
+/// A signal handler running on a thread that had a call pending.
+#[derive(Debug)]
+pub struct HandlerFrame {
+    /// The handler's stack pointer at its first instruction: its return
+    /// address (the signal-return trampoline) sits there, the saved
+    /// context above.
+    pub sp: u64,
+    /// The start of the mapping holding that stack (an alternate signal
+    /// stack may lie anywhere): a stack pointer is the handler's when it
+    /// is in `lo..sp`.
+    pub lo: u64,
+    /// The call the handler interrupted.
+    pub call: Option<PendingCall>,
+}
+
+impl HandlerFrame {
+    fn holds(&self, rsp: u64) -> bool {
+        self.lo <= rsp && rsp < self.sp
+    }
+}
+
+impl Thread {
+    /// End the handler frames that a stack pointer `rsp` seen at an entry
+    /// or a return is not inside: their handlers have returned (or jumped
+    /// out), and the call each interrupted is pending again. Returns how
+    /// many handler calls were left pending, never to return.
+    pub fn leave_handlers(&mut self, rsp: u64) -> u64 {
+        let mut lost = 0;
+        while self.handlers.last().is_some_and(|f| !f.holds(rsp)) {
+            if self.in_call.is_some() {
+                lost += 1;
+            }
+            self.in_call = self.handlers.pop().and_then(|f| f.call);
+        }
+        lost
+    }
+
+    /// Every call of the thread still pending, its own and those its
+    /// handlers interrupted, taken.
+    pub fn take_calls(&mut self) -> Vec<PendingCall> {
+        let mut calls: Vec<PendingCall> = self.in_call.take().into_iter().collect();
+        calls.extend(self.handlers.drain(..).rev().filter_map(|f| f.call));
+        calls
+    }
+}
+
+impl Tracer {
+    /// Let a thread go at its signal-delivery-stop with `sig`: stepped into
+    /// the handler when it has a call pending (see the module docs).
+    /// Stopping signals are delivered as they are: a group-stop follows.
+    pub(super) fn deliver(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
+        let Some(thread) = self.family.threads.get_mut(&tid) else {
+            return self.resume(tid, sig);
+        };
+        if sig == 0 || thread.in_call.is_none() || super::stop::is_stopping_signal(sig) {
+            return self.resume(tid, sig);
+        }
+        thread.stepping = true;
+        self.beat();
+        Ok(ptrace::unless_gone(ptrace::single_step(tid, sig))?)
+    }
+
+    /// At a SIGTRAP stop of `tid`: true when it ends the thread's step into
+    /// a signal (and was dealt with: a handler's frame put on the thread),
+    /// false when it is any other trap. The thread is left stopped.
+    pub(super) fn step_ended(&mut self, tid: Tid) -> bool {
+        let Some(thread) = self.family.threads.get_mut(&tid) else {
+            return false;
+        };
+        if !std::mem::take(&mut thread.stepping) {
+            return false;
+        }
+        let pid = thread.pid;
+        let code = ptrace::siginfo(tid).map_or(0, |info| info.si_code);
+        if code == TRAP_TRACE {
+            return true;
+        }
+        if code != AT_HANDLER {
+            return false;
+        }
+        let Ok(regs) = ptrace::get_regs(tid) else {
+            return true; // gone: waitpid will say
+        };
+        let sp = regs.rsp;
+        let lo = match &thread.stack {
+            Some(stack) if stack.contains(&sp) => stack.start,
+            _ => procfs::read_maps(pid)
+                .ok()
+                .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end))
+                .map_or(0, |m| m.start),
+        };
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
+            let call = thread.in_call.take();
+            thread.handlers.push(HandlerFrame { sp, lo, call });
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Op;
+    use crate::unwind::pipeline::CallStack;
+
+    fn call(entry_sp: u64) -> PendingCall {
+        PendingCall {
+            op: Op::Malloc,
+            args: [24, 0, 0],
+            entry_sp,
+            stub: 0x7000,
+            stack: CallStack::CallerOnly(0x401000),
+            module_id: 1,
+        }
+    }
+
+    /// A thread inside malloc (entry at 0x9000) interrupted by a handler
+    /// whose frame is at 0x8000, on the stack 0x1000..0xa000.
+    fn interrupted() -> Thread {
+        let mut t = Thread::new(1, 0);
+        t.handlers.push(HandlerFrame {
+            sp: 0x8000,
+            lo: 0x1000,
+            call: Some(call(0x9000)),
+        });
+        t
+    }
+
+    #[test]
+    fn a_handler_call_is_its_own_level() {
+        let mut t = interrupted();
+        assert_eq!(t.leave_handlers(0x7f00), 0);
+        assert!(t.in_call.is_none(), "the handler's call is outermost");
+        t.in_call = Some(call(0x7f00));
+        // malloc inside the handler's realloc: same level, below it.
+        assert_eq!(t.leave_handlers(0x7e00), 0);
+        assert_eq!(t.in_call.as_ref().map(|c| c.entry_sp), Some(0x7f00));
+        assert_eq!(t.handlers.len(), 1);
+    }
+
+    #[test]
+    fn the_interrupted_call_is_pending_again_once_the_handler_is_left() {
+        let mut t = interrupted();
+        // The interrupted malloc's return (its stub's int3, 8 below entry).
+        assert_eq!(t.leave_handlers(0x9000 - 8), 0);
+        assert_eq!(t.in_call.as_ref().map(|c| c.entry_sp), Some(0x9000));
+        assert!(t.handlers.is_empty());
+    }
+
+    #[test]
+    fn a_handler_call_left_by_a_longjmp_is_lost() {
+        let mut t = interrupted();
+        t.in_call = Some(call(0x7f00));
+        assert_eq!(t.leave_handlers(0x8f00), 1);
+        assert_eq!(t.in_call.as_ref().map(|c| c.entry_sp), Some(0x9000));
+    }
+
+    #[test]
+    fn an_alternate_stack_above_is_not_the_handler_s() {
+        // The handler runs on a stack mapped above the thread's.
+        let mut t = Thread::new(1, 0);
+        t.handlers.push(HandlerFrame {
+            sp: 0x20_8000,
+            lo: 0x20_0000,
+            call: Some(call(0x9000)),
+        });
+        assert_eq!(t.leave_handlers(0x20_7000), 0);
+        assert!(t.in_call.is_none());
+        // Back on the thread's stack, inside the interrupted call.
+        assert_eq!(t.leave_handlers(0x8f00), 0);
+        assert_eq!(t.in_call.as_ref().map(|c| c.entry_sp), Some(0x9000));
+    }
+
+    #[test]
+    fn nested_handlers_unwind_in_order_and_every_call_is_taken() {
+        let mut t = interrupted();
+        t.handlers.push(HandlerFrame {
+            sp: 0x6000,
+            lo: 0x1000,
+            call: Some(call(0x7f00)),
+        });
+        t.in_call = Some(call(0x5f00));
+        let sps: Vec<u64> = t.take_calls().iter().map(|c| c.entry_sp).collect();
+        assert_eq!(sps, [0x5f00, 0x7f00, 0x9000]);
+        assert!(t.handlers.is_empty() && t.in_call.is_none());
+    }
+}
