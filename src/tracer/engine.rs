@@ -1,0 +1,216 @@
+//! The engine: the wait loop, which takes the next stop (reading the jump
+//! probes' rings between stops), dispatches it by kind and ends the trace
+//! when the program is gone or memptrace is told to stop; and the trace's
+//! end (wind-up), whatever ended it.
+
+use std::io;
+use std::time::{Duration, Instant};
+
+use super::stop::Stopped;
+use super::{Ending, TraceError, TraceStats, Tracer, failure, signal_name};
+use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::signals;
+use crate::unwind::pipeline::PipelineHandle;
+
+impl Tracer {
+    /// Trace until the program exits or memptrace is told to stop; then hand
+    /// the pipeline everything still batched. Consumes the tracer's pipeline.
+    pub fn run(mut self) -> Result<(Ending, TraceStats, PipelineHandle), TraceError> {
+        failure::install_hook();
+        let ending = failure::catch(|| self.wait_loop()).unwrap_or_else(failure::ending);
+        let failed = matches!(ending, Err(_) | Ok(Ending::Failed { .. }));
+        let (ending, flushed) = match failure::catch(|| self.wind_up(failed)) {
+            Ok(flushed) => (ending, flushed),
+            Err(panic) => (failure::ending(panic), Ok(())),
+        };
+        let ending = ending?;
+        flushed?;
+        let stats = std::mem::take(&mut self.stats);
+        Ok((ending, stats, self.out.into_pipeline()))
+    }
+
+    /// After the wait loop, however it ended (`failed`: let the program go).
+    fn wind_up(&mut self, failed: bool) -> Result<(), TraceError> {
+        self.finish_inventory(true);
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.warn_if_unhooked(pid);
+        }
+        if failed && !self.family.threads.is_empty() {
+            // Whatever went wrong, the program is not left with memptrace's
+            // bytes in it (nor killed by memptrace's exit): let it go.
+            let _ = self.detach_all();
+        }
+        self.settle_all(false);
+        self.drain_rings(true);
+        let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
+        for pid in pids {
+            self.count_probes(pid);
+        }
+        self.warn_let_through();
+        if self.out.awaiting_copies() {
+            self.settle_finished();
+        }
+        Ok(self.out.send_ready(true)?)
+    }
+
+    fn wait_loop(&mut self) -> Result<Ending, TraceError> {
+        loop {
+            if let Some(reason) = self.stop_requested() {
+                self.detach_all()?;
+                return Ok(Ending::Detached { reason });
+            }
+            if self.family.is_empty() {
+                break;
+            }
+            if self.ticked() {
+                failure::panic_if_asked(self.ledger.events());
+                self.beat();
+                if let Some(clock) = self.tsc.as_mut() {
+                    clock.refine(
+                        self.clock.elapsed().as_nanos() as u64,
+                        crate::os::local::tsc(),
+                    );
+                }
+                self.flush()?;
+            } else if self.out.full() {
+                self.flush()?;
+            }
+            self.finish_inventory(false);
+            match self.next_stop() {
+                Ok(Some((tid, stop))) => self.dispatch(tid, stop)?,
+                Ok(None) => {}
+                Err(err) if ptrace::no_children(&err) => break,
+                Err(err) => return Err(err.into()),
+            }
+        }
+        Ok(self.control.ending.clone().unwrap_or(Ending::Exited(0)))
+    }
+
+    /// The next stop to serve (see [`Stops`]); whatever is batched goes to
+    /// the pipeline before the tracer sleeps.
+    fn next_stop(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        if self.jumps() {
+            return self.next_stop_reading_rings();
+        }
+        if let Some(found) = self.stops.poll()? {
+            return Ok(Some(found));
+        }
+        // The pipeline is gone if this fails; the wait loop finds out when
+        // it sends next.
+        let _ = self.flush();
+        self.stops.wait()
+    }
+
+    /// With jump probes: read the rings between stops; with nothing to read
+    /// and no stop, sleep until a tracee stops (SIGCHLD), 1 ms at most.
+    fn next_stop_reading_rings(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        if let Some(found) = self.stops.ready() {
+            return Ok(Some(found));
+        }
+        let read = self.drain_rings(false);
+        if let Some(found) = self.stops.poll_once()? {
+            return Ok(Some(found));
+        }
+        if read == 0 {
+            let _ = self.flush();
+            signals::wait_child(Duration::from_millis(1));
+            return self.stops.poll_once();
+        }
+        Ok(None)
+    }
+
+    /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
+    /// for a launched program (the first reaches the program, in the same
+    /// process group, which decides), the first one when attached. So does
+    /// the end of `--duration`.
+    pub(super) fn stop_requested(&self) -> Option<String> {
+        if let Some(sig) = signals::terminate_signal() {
+            return Some(format!("memptrace received {}", signal_name(sig)));
+        }
+        match signals::interrupts() {
+            1 if self.control.attached => return Some("interrupted (Ctrl-C)".to_string()),
+            n if n >= 2 => return Some("interrupted (Ctrl-C twice)".to_string()),
+            _ => {}
+        }
+        let deadline = self.control.deadline?;
+        (Instant::now() >= deadline).then(|| "the --duration elapsed".to_string())
+    }
+
+    fn ticked(&mut self) -> bool {
+        let now = signals::ticks();
+        let ticked = now != self.control.last_tick;
+        self.control.last_tick = now;
+        ticked
+    }
+
+    /// Hand the batch to the pipeline, up to the first call still waiting for
+    /// its thread's stack copy (see [`copies`]).
+    /// While the pipeline is busy the batch grows instead (see [`outbox`]).
+    pub(super) fn flush(&mut self) -> Result<(), TraceError> {
+        if self.out.awaiting_copies() {
+            self.settle_finished();
+        }
+        Ok(self.out.send_ready(false)?)
+    }
+
+    fn dispatch(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        let Some(thread) = self.family.threads.get(&tid) else {
+            return self.unknown(tid, stop);
+        };
+        if thread.copy.is_some() {
+            self.settle_at_stop(tid, &stop);
+        }
+        let stopped = Stopped::of(stop);
+        // Only calls and signals are served while the attach's heap is
+        // walked: an exit, an exec or a thread's end books it first.
+        if matches!(stopped, Stopped::Gone | Stopped::Exec | Stopped::Exiting) {
+            self.finish_inventory(true);
+        }
+        match stopped {
+            Stopped::Gone => self.thread_gone(tid, stop),
+            Stopped::Trap if self.step_ended(tid) => self.resume(tid, 0),
+            Stopped::Trap => self.trap(tid),
+            Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
+            Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
+                Some(to) => self.recover_walk(tid, to),
+                None => self.resume(tid, sig),
+            },
+            Stopped::Fault(sig) | Stopped::Signal(sig) => self.deliver(tid, sig),
+            Stopped::Birth(event) => {
+                self.announce_child(tid, event, false)?;
+                self.resume(tid, 0)
+            }
+            Stopped::Exec => self.exec(tid),
+            Stopped::Exiting => {
+                self.release_slots(tid);
+                self.map_heap_at_exit(tid);
+                let end = self.now_ns();
+                self.send_thread(tid, Some(end));
+                if let Some(thread) = self.family.threads.get_mut(&tid) {
+                    self.stats.lost_returns += thread.take_calls().len() as u64;
+                }
+                self.resume(tid, 0)
+            }
+            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
+            Stopped::Interrupt => self.resume(tid, 0),
+        }
+    }
+
+    /// A stop of a thread we do not know yet: a new thread or child whose
+    /// creation event is still queued behind it.
+    fn unknown(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
+        if Stopped::of(stop) == Stopped::Gone {
+            // A thread that vanished in an exec, or a released child.
+            self.family.announced.remove(&tid);
+            return Ok(());
+        }
+        match self.family.announced.remove(&tid) {
+            Some(child) => self.adopt(tid, child, stop),
+            None => {
+                self.family.early.insert(tid, stop);
+                Ok(())
+            }
+        }
+    }
+}
