@@ -234,9 +234,35 @@ pub fn resident_pages(pid: Tid, start: u64, pages: u64) -> io::Result<Vec<bool>>
     Ok(bytes.chunks_exact(8).map(|e| e[7] & 0x80 != 0).collect())
 }
 
+/// Nanoseconds thread `tid` has spent waiting on a run queue for a CPU
+/// (`/proc/TID/schedstat`, second field; `None` for `tid` 0: memptrace's
+/// own calling thread, `/proc/thread-self/schedstat`).
+pub fn run_queue_wait_ns(tid: Option<Tid>) -> Option<u64> {
+    let path = match tid {
+        Some(tid) => format!("/proc/{tid}/schedstat"),
+        None => "/proc/thread-self/schedstat".to_string(),
+    };
+    let text = std::fs::read_to_string(path).ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_run_queue_waits_that_only_grow() {
+        let tid = crate::os::local::thread_id();
+        let before = run_queue_wait_ns(None).expect("own schedstat");
+        let by_tid = run_queue_wait_ns(Some(tid)).expect("schedstat by tid");
+        std::thread::yield_now();
+        let after = run_queue_wait_ns(None).expect("own schedstat");
+        assert!(
+            before <= by_tid && by_tid <= after,
+            "{before} {by_tid} {after}"
+        );
+        assert_eq!(run_queue_wait_ns(Some(i32::MAX)), None);
+    }
 
     #[test]
     fn reads_the_seccomp_mode() {

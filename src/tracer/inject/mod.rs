@@ -22,6 +22,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use crate::os::mem::CodeWriter;
+use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Stop, SyscallStop, Tid};
 use crate::os::seccomp as os_seccomp;
 use crate::os::shared::{self, SharedMemory};
@@ -80,6 +81,61 @@ pub struct Injected {
 /// forever).
 const STEP_PATIENCE: Duration = Duration::from_secs(2);
 
+/// However loaded the machine, an injected call is given up after this
+/// much wall time.
+const STEP_PATIENCE_AT_MOST: Duration = Duration::from_secs(30);
+
+/// The time an injected call has taken, not counting the time the thread or
+/// memptrace waited for a CPU: on a machine loaded 30-40 times over a
+/// thread waits seconds to run its microsecond `mmap`, and taking that for
+/// a stuck call made a whole process fall back to int3 probes (27x slower).
+/// A call is given up when it has taken [`STEP_PATIENCE`] so counted, or
+/// [`STEP_PATIENCE_AT_MOST`] of wall time.
+struct Patience {
+    tid: Tid,
+    start: Instant,
+    waited: u64,
+}
+
+impl Patience {
+    fn new(tid: Tid) -> Patience {
+        Patience {
+            tid,
+            start: Instant::now(),
+            waited: Patience::waiting(tid),
+        }
+    }
+
+    /// Run-queue waits of the thread and of memptrace's own, so far.
+    fn waiting(tid: Tid) -> u64 {
+        let theirs = procfs::run_queue_wait_ns(Some(tid)).unwrap_or(0);
+        let ours = procfs::run_queue_wait_ns(None).unwrap_or(0);
+        theirs.saturating_add(ours)
+    }
+
+    fn over(&self) -> bool {
+        let elapsed = self.start.elapsed();
+        if elapsed >= STEP_PATIENCE_AT_MOST {
+            return true;
+        }
+        let waited = Patience::waiting(self.tid).saturating_sub(self.waited);
+        elapsed.saturating_sub(Duration::from_nanos(waited)) >= STEP_PATIENCE
+    }
+
+    /// The thread's next stop, or `None` once patience is over.
+    fn wait_step(&self) -> Result<Option<Stop>, InjectError> {
+        loop {
+            let round = Instant::now() + Duration::from_millis(100);
+            if let Some(stop) = ptrace::wait_tid_until(self.tid, round)? {
+                return Ok(Some(stop));
+            }
+            if self.over() {
+                return Ok(None);
+            }
+        }
+    }
+}
+
 /// Run `syscall(nr, args...)` in the stopped thread `tid`, entering the
 /// kernel as `via` says.
 ///
@@ -115,10 +171,10 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
     super::dying::in_call();
 
     let mut entered = false;
-    let deadline = Instant::now() + STEP_PATIENCE;
+    let patience = Patience::new(tid);
     let result = loop {
         ptrace::syscall(tid)?;
-        let Some(stop) = wait_step(tid)? else {
+        let Some(stop) = patience.wait_step()? else {
             // Still running our call: stop it and put its registers back.
             let _ = ptrace::interrupt(tid);
             if let Ok(Some(_)) = wait_step(tid) {
@@ -129,7 +185,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
         };
         // Bounded however the thread answers (stops that are neither the
         // call's entry nor its exit, again and again, included).
-        if Instant::now() > deadline && !gone(stop) {
+        if patience.over() && !gone(stop) {
             let _ = ptrace::set_regs(tid, &resume);
             requeue(tid, stop, &signals);
             return Err(InjectError::Timeout);
@@ -226,11 +282,11 @@ fn leave_system_call(tid: Tid, signals: &mut Vec<i32>) -> Result<(), InjectError
         }
         _ => return Ok(()),
     }
-    let deadline = Instant::now() + STEP_PATIENCE;
+    let patience = Patience::new(tid);
     loop {
         ptrace::syscall(tid)?;
-        let stop = wait_step(tid)?;
-        if let Some(stop) = stop.filter(|&s| Instant::now() > deadline && !gone(s)) {
+        let stop = patience.wait_step()?;
+        if let Some(stop) = stop.filter(|&s| patience.over() && !gone(s)) {
             requeue(tid, stop, signals);
             return Err(InjectError::Timeout);
         }
