@@ -183,9 +183,11 @@ impl Outbox {
         if n == 0 {
             return Ok(());
         }
+        // Judged on the whole batch, before it is split.
+        let wait = wait || self.overfull();
         let rest = self.batch.split_off(n);
         let batch = std::mem::replace(&mut self.batch, rest);
-        if wait || self.overfull() {
+        if wait {
             self.pipeline.send(batch)?;
         } else if let Some(mut back) = self.pipeline.try_send(batch)? {
             back.append(&mut self.batch);
