@@ -43,6 +43,8 @@ pub(super) struct Inventory {
 /// The attach's heap copy walked by a thread of its own (int3 probes), and
 /// the calls completed meanwhile: booked after the inventory.
 pub(super) struct Walking {
+    pid: Tid,
+    ts_ns: u64,
     walk: JoinHandle<Walked>,
     /// The attach's pause, stored once its inventory is booked.
     pause: Pause,
@@ -58,6 +60,19 @@ struct Walked {
     map: Result<HeapMap, String>,
     ledger: Ledger,
     events: Vec<TraceMsg>,
+}
+
+impl Walked {
+    /// No map: `why`. (The ledger was empty at attach, as this one is.)
+    fn failed(pid: Tid, ts_ns: u64, why: String) -> Walked {
+        Walked {
+            pid,
+            ts_ns,
+            map: Err(why),
+            ledger: Ledger::new(),
+            events: Vec::new(),
+        }
+    }
 }
 
 /// A call completed while the heap was walked, to book after it.
@@ -104,6 +119,8 @@ impl Tracer {
         match walk {
             Ok(walk) => {
                 self.control.walking = Some(Walking {
+                    pid,
+                    ts_ns,
                     walk,
                     pause,
                     started,
@@ -111,14 +128,8 @@ impl Tracer {
                 });
             }
             Err(err) => {
-                let walked = Walked {
-                    pid,
-                    ts_ns,
-                    map: Err(format!("no thread to walk the heap: {err}")),
-                    ledger: Ledger::new(),
-                    events: Vec::new(),
-                };
-                self.book_inventory(walked, pause, started);
+                let why = format!("no thread to walk the heap: {err}");
+                self.book_inventory(Walked::failed(pid, ts_ns, why), pause, started);
             }
         }
     }
@@ -156,6 +167,8 @@ impl Tracer {
             return;
         };
         let Walking {
+            pid,
+            ts_ns,
             walk,
             pause,
             started,
@@ -163,13 +176,9 @@ impl Tracer {
         } = walking;
         // A walk that panicked is caught inside; a thread that died all
         // the same took the (empty) ledger with it.
-        let walked = walk.join().unwrap_or_else(|_| Walked {
-            pid: self.control.root,
-            ts_ns: 0,
-            map: Err("the heap walk failed".to_string()),
-            ledger: Ledger::new(),
-            events: Vec::new(),
-        });
+        let walked = walk
+            .join()
+            .unwrap_or_else(|_| Walked::failed(pid, ts_ns, "the heap walk failed".into()));
         self.book_inventory(walked, pause, started);
         for call in calls {
             self.complete(call.op, &call.facts, call.stack, call.module_id);
