@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::cli::{Config, TraceConfig};
 use crate::error::Error;
 use crate::os::procfs;
-use crate::os::{launch, signals};
+use crate::os::{launch, ptrace, signals};
 use crate::program;
 use crate::progress::ProgressLine;
 use crate::report;
@@ -127,7 +127,25 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         "on_memptrace_death",
         "killed with it: launched under memptrace (PTRACE_O_EXITKILL)".to_string(),
     )])?;
-    let (ending, stats, pipeline) = recording.trace(tracer)?;
+    let (mut ending, stats, pipeline) = recording.trace(tracer)?;
+    let mut status = exit_status(&ending);
+    if let Some(reason) = recording.halted(&ending) {
+        // The database cannot grow: the program runs on untraced, to its
+        // end, which is the trace's.
+        eprintln!("memptrace: {reason}: the trace ends here; the program runs on untraced");
+        let program = match ptrace::wait_exit(child.pid)? {
+            ptrace::Stop::Killed { sig, core } => Ending::Killed { sig, core },
+            ptrace::Stop::Exited(code) => Ending::Exited(code),
+            _ => Ending::Exited(0),
+        };
+        status = exit_status(&program);
+        ending = Ending::Detached {
+            reason: format!(
+                "{reason}; the program ran on untraced and {}",
+                end_reason(&program)
+            ),
+        };
+    }
     if ending == Ending::Exited(127) {
         if let Some(err) = child.exec_error() {
             // The program never ran: no trace of it is worth keeping.
@@ -136,7 +154,6 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
             return Err(exec_error(program, err));
         }
     }
-    let status = exit_status(&ending);
     recording.finish(&ending, status, &stats, pipeline)?;
     Ok(status)
 }
@@ -186,6 +203,9 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         .records
         .send(vec![meta_record("on_memptrace_death", death)])?;
     let (ending, stats, pipeline) = recording.trace(tracer)?;
+    if let Some(reason) = recording.halted(&ending) {
+        eprintln!("memptrace: {reason}: the trace ends here; the process runs on, detached");
+    }
     // Detached as asked, memptrace did its job: 0. The process ending
     // during the trace is reported as a launched program's end would be.
     // A detach that could not let every thread go says so and fails.
@@ -263,11 +283,17 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         ("probes", probes_name(config).to_string()),
         ("rss_interval_ms", config.rss_interval_ms.to_string()),
     ];
-    let written = meta
-        .into_iter()
-        .map(|(key, value)| meta_record(key, value))
-        .chain(numbered_rows("wrapper", &config.wrappers))
-        .try_for_each(|record| sink.write(&record))
+    let limited = match config.max_size {
+        Some(bytes) => sink.limit(bytes),
+        None => Ok(()),
+    };
+    let written = limited
+        .and_then(|()| {
+            meta.into_iter()
+                .map(|(key, value)| meta_record(key, value))
+                .chain(numbered_rows("wrapper", &config.wrappers))
+                .try_for_each(|record| sink.write(&record))
+        })
         .and_then(|()| sink.commit());
     if let Err(source) = written {
         drop(sink);
@@ -324,13 +350,17 @@ impl Recording {
             Sampler::start(list, interval, clock, records.clone())
         });
         let debuginfod = Debuginfod::from_env();
+        let progress = Arc::new(Progress {
+            halt: recorder.halt(),
+            ..Progress::default()
+        });
         Ok(Recording {
             namer: Namer::spawn(records.clone(), wrappers, debuginfod.clone()),
             debuginfod,
             recorder,
             records,
             clock,
-            progress: Arc::new(Progress::default()),
+            progress,
             draw: terminal_free(pid),
             sampler,
         })
@@ -356,6 +386,12 @@ impl Recording {
         signals::quiesce();
         line.finish();
         Ok(traced?)
+    }
+
+    /// Why the trace ended because its database could not grow, if it did.
+    fn halted(&self, ending: &Ending) -> Option<String> {
+        let reason = self.progress.halt.get()?;
+        matches!(ending, Ending::Detached { .. }).then(|| reason.clone())
     }
 
     /// Nothing worth keeping was traced: close and remove the database.

@@ -30,6 +30,38 @@ fn launch_defaults() {
 }
 
 #[test]
+fn max_size() {
+    let size = |args: &[&str]| match parse(args) {
+        Ok(Config::Launch { trace, .. } | Config::Attach { trace, .. }) => trace.max_size,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(size(&["memptrace", "--", "ls"]), None);
+    assert_eq!(
+        size(&["memptrace", "--max-size", "1000", "--", "ls"]),
+        Some(1000)
+    );
+    assert_eq!(
+        size(&["memptrace", "--max-size", "64K", "--", "ls"]),
+        Some(64 << 10)
+    );
+    assert_eq!(
+        size(&["memptrace", "--max-size", "2M", "--", "ls"]),
+        Some(2 << 20)
+    );
+    assert_eq!(
+        size(&["memptrace", "attach", "1", "--max-size", "3g"]),
+        Some(3 << 30)
+    );
+    for bad in ["0", "-1", "1T", "M", "99999999999999G"] {
+        assert!(
+            parse(&["memptrace", "--max-size", bad, "--", "ls"]).is_err(),
+            "{bad}"
+        );
+    }
+    assert!(parse(&["memptrace", "--max-size", "1M", "report", "t.db"]).is_err());
+}
+
+#[test]
 fn rss_interval() {
     let Ok(Config::Launch { trace, .. }) = parse(&["memptrace", "--rss-interval", "0", "--", "ls"])
     else {

@@ -33,6 +33,22 @@ pub(super) fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// A size in bytes, with an optional K, M or G (KiB, MiB, GiB).
+pub(super) fn parse_size(text: &str) -> Result<u64, String> {
+    let (digits, unit) = match text.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&text[..i], 1 << 10),
+        Some((i, 'M' | 'm')) => (&text[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&text[..i], 1 << 30),
+        _ => (text, 1),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{text:?} is not a size in bytes (such as 500M)"))
+}
+
 /// Options of a trace. Each is optional here, so that options given before
 /// `attach` and after it can be told apart and put together
 /// ([`TraceArgs::merge`]); the defaults are applied in [`TraceConfig`].
@@ -80,6 +96,11 @@ pub struct TraceArgs {
     #[arg(long, value_name = "MS")]
     pub rss_interval: Option<u64>,
 
+    /// End the trace once the database reaches BYTES (K, M, G: KiB, MiB,
+    /// GiB), as a full disk would: the program runs on untraced.
+    #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+    pub max_size: Option<u64>,
+
     #[command(flatten)]
     pub wrappers: WrapperArgs,
 }
@@ -124,6 +145,7 @@ impl TraceArgs {
             follow_forks: self.follow_forks || after.follow_forks,
             probes: once("--probes", self.probes, after.probes)?,
             rss_interval: once("--rss-interval", self.rss_interval, after.rss_interval)?,
+            max_size: once("--max-size", self.max_size, after.max_size)?,
             wrappers: WrapperArgs {
                 wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
             },
@@ -147,6 +169,7 @@ impl TraceArgs {
             (self.follow_forks, "--follow-forks"),
             (self.probes.is_some(), "--probes"),
             (self.rss_interval.is_some(), "--rss-interval"),
+            (self.max_size.is_some(), "--max-size"),
         ];
         for (given, name) in flags {
             if given {
@@ -180,6 +203,8 @@ pub struct TraceConfig {
     pub wrappers: Vec<String>,
     /// Milliseconds between samples of resident memory; 0: none.
     pub rss_interval_ms: u64,
+    /// `--max-size`: the database's largest size in bytes.
+    pub max_size: Option<u64>,
 }
 
 impl TraceConfig {
@@ -204,6 +229,7 @@ impl TraceConfig {
             },
             wrappers: a.wrappers.wrappers,
             rss_interval_ms: a.rss_interval.unwrap_or(100),
+            max_size: a.max_size,
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod mem;
 pub mod procfs;
 pub mod ptrace;
 pub mod resident;
+pub mod room;
 pub mod seccomp;
 pub mod sentinel;
 pub mod shared;

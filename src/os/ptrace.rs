@@ -223,6 +223,16 @@ pub fn wait_any() -> io::Result<Option<(Tid, Stop)>> {
     wait(-1, 0)
 }
 
+/// Wait for the end of process `pid`, a child of memptrace's that it no
+/// longer traces (only its exit is reported then).
+pub fn wait_exit(pid: Tid) -> io::Result<Stop> {
+    loop {
+        if let Some((_, stop @ (Stop::Exited(_) | Stop::Killed { .. }))) = wait(pid, 0)? {
+            return Ok(stop);
+        }
+    }
+}
+
 /// Non-blocking wait for any traced thread.
 pub fn poll_any() -> io::Result<Option<(Tid, Stop)>> {
     wait(-1, libc::WNOHANG)

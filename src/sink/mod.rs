@@ -9,6 +9,7 @@ pub use memory::MemorySink;
 pub use sqlite::{APPLICATION_ID, SCHEMA_VERSION, SqliteSink};
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -179,6 +180,24 @@ pub trait EventSink: Send {
 
     /// The trace is over: build indexes, fold logs back, close.
     fn finish(&mut self) -> Result<(), SinkError>;
+
+    /// A write or commit failed with `err`. When it says that the storage
+    /// cannot grow (a full disk, a quota, `--max-size`), the sink drops the
+    /// transaction that failed, gives back any room it kept for the end, and
+    /// returns why; it then takes the end's rows ([`Record::Meta`], names of
+    /// frames already stored). `None`: the error stands.
+    fn cannot_grow(&mut self, _err: &SinkError) -> Option<String> {
+        None
+    }
+}
+
+/// Where the recorder says that the trace must end because its storage
+/// cannot grow, and why (set once); the tracer looks at it.
+pub type Halt = Arc<OnceLock<String>>;
+
+/// The records a sink that cannot grow still takes: the end's.
+fn kept_when_full(record: &Record) -> bool {
+    matches!(record, Record::Meta { .. } | Record::Symbols(_))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +214,11 @@ pub enum SinkError {
 /// trace.db` sees a running trace grow.
 const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
 
+/// Records after which the recorder commits even before [`COMMIT_INTERVAL`]:
+/// a transaction that fails on a full disk is rolled back whole, so this
+/// bounds what such a disk loses (about 1 MiB of rows) whatever the rate.
+const COMMIT_RECORDS: u64 = 32 * 1024;
+
 /// Batches in flight between producers and the recorder thread. Bounded, so a
 /// target that allocates faster than the disk writes is slowed down rather than
 /// memptrace growing without limit.
@@ -209,6 +233,7 @@ pub type Observer = Box<dyn FnMut(&Record) + Send>;
 pub struct Recorder {
     tx: Option<SyncSender<Vec<Record>>>,
     thread: Option<JoinHandle<Result<RecorderStats, SinkError>>>,
+    halt: Halt,
 }
 
 /// What the recorder did, for the closing summary.
@@ -217,6 +242,8 @@ pub struct RecorderStats {
     pub records: u64,
     pub events: u64,
     pub commits: u64,
+    /// Records dropped once the storage could not grow.
+    pub dropped: u64,
 }
 
 impl Recorder {
@@ -227,14 +254,23 @@ impl Recorder {
     /// A recorder that shows `observer` every record it writes.
     pub fn spawn_observed(sink: Box<dyn EventSink>, observer: Observer) -> Recorder {
         let (tx, rx) = sync_channel(QUEUE_BATCHES);
+        let halt = Halt::default();
+        let theirs = halt.clone();
         let thread = std::thread::Builder::new()
             .name("memptrace-recorder".into())
-            .spawn(move || record_loop(sink, observer, rx))
+            .spawn(move || record_loop(sink, observer, rx, &theirs))
             .expect("spawning the recorder thread");
         Recorder {
             tx: Some(tx),
             thread: Some(thread),
+            halt,
         }
+    }
+
+    /// Set, with the reason, once the storage cannot grow: the trace must
+    /// end (see [`EventSink::cannot_grow`]).
+    pub fn halt(&self) -> Halt {
+        self.halt.clone()
     }
 
     /// A handle producers on other threads can send through.
@@ -288,38 +324,73 @@ fn record_loop(
     mut sink: Box<dyn EventSink>,
     mut observer: Observer,
     rx: Receiver<Vec<Record>>,
+    halt: &OnceLock<String>,
 ) -> Result<RecorderStats, SinkError> {
     let mut stats = RecorderStats::default();
     let mut dirty = false;
     let mut last_commit = Instant::now();
+    let mut uncommitted: u64 = 0;
     loop {
         let wait = COMMIT_INTERVAL.saturating_sub(last_commit.elapsed());
         match rx.recv_timeout(wait) {
             Ok(batch) => {
                 for record in &batch {
                     observer(record);
-                    sink.write(record)?;
+                    if halt.get().is_some() && !kept_when_full(record) {
+                        stats.dropped += 1;
+                        continue;
+                    }
+                    if let Err(err) = sink.write(record) {
+                        survive(sink.as_mut(), halt, err)?;
+                        continue;
+                    }
                     if matches!(record, Record::Event(_)) {
                         stats.events += 1;
                     }
                 }
                 stats.records += batch.len() as u64;
+                uncommitted += batch.len() as u64;
                 dirty = true;
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
         }
-        if dirty && last_commit.elapsed() >= COMMIT_INTERVAL {
-            sink.commit()?;
+        if dirty && (last_commit.elapsed() >= COMMIT_INTERVAL || uncommitted >= COMMIT_RECORDS) {
+            if let Err(err) = sink.commit() {
+                survive(sink.as_mut(), halt, err)?;
+            }
             stats.commits += 1;
             dirty = false;
+            uncommitted = 0;
             last_commit = Instant::now();
         } else if !dirty {
             last_commit = Instant::now();
         }
     }
-    sink.commit()?;
+    if let Err(err) = sink.commit() {
+        survive(sink.as_mut(), halt, err)?;
+    }
     stats.commits += 1;
-    sink.finish()?;
+    if let Err(err) = sink.finish() {
+        survive(sink.as_mut(), halt, err)?;
+    }
     Ok(stats)
+}
+
+/// A failure that says the storage cannot grow ends the trace, not the
+/// recorder: the first sets `halt` (from then on only the end's rows are
+/// written), and a later one drops what failed: nothing more can be done
+/// for it. Any other failure stands.
+fn survive(
+    sink: &mut dyn EventSink,
+    halt: &OnceLock<String>,
+    err: SinkError,
+) -> Result<(), SinkError> {
+    match sink.cannot_grow(&err) {
+        Some(reason) => {
+            let _ = halt.set(reason);
+            Ok(())
+        }
+        None => Err(err),
+    }
 }

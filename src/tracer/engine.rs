@@ -122,9 +122,12 @@ impl Tracer {
 
     /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
     /// for a launched program (the first reaches the program, in the same
-    /// process group, which decides), the first one when attached. So does
-    /// the end of `--duration`.
+    /// process group, which decides), the first one when attached. So do
+    /// the end of `--duration` and a database that cannot grow.
     pub(super) fn stop_requested(&self) -> Option<String> {
+        if let Some(reason) = self.progress.halt.get() {
+            return Some(reason.clone());
+        }
         if let Some(sig) = signals::terminate_signal() {
             return Some(format!("memptrace received {}", signal_name(sig)));
         }

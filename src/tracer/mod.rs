@@ -117,6 +117,8 @@ pub enum Ending {
 pub struct Progress {
     pub events: AtomicU64,
     pub live_bytes: AtomicU64,
+    /// Set by the recorder when the database cannot grow: the trace ends.
+    pub halt: crate::sink::Halt,
 }
 
 /// Things worth telling the user after the trace.

@@ -17,6 +17,7 @@ mod debuginfod;
 mod docs;
 mod failopen;
 mod faults;
+mod full;
 mod hostile;
 mod hostile_heap;
 mod lifecycle;

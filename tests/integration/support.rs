@@ -41,7 +41,7 @@ const TRACEES: [&str; 24] = [
 
 /// Tracees of the heap walker's untrusted input, of the attach's pauses
 /// and of a large heap.
-const MORE_TRACEES: [&str; 4] = ["hostile_heap", "gaps", "busyheap", "bigheap"];
+const MORE_TRACEES: [&str; 5] = ["hostile_heap", "gaps", "busyheap", "bigheap", "filler"];
 
 /// Fixed flags: debug info for names and lines; -O1 with no sibling calls, so
 /// each tracee function really calls the allocator and stays on the stack.

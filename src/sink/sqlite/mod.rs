@@ -45,6 +45,14 @@ const EVENT_COLUMNS: usize = 8;
 /// written to the WAL.
 const CACHE_KIB: i64 = 64 * 1024;
 
+/// Room kept on the database's filesystem for the end of a trace whose disk
+/// fills up (see [`crate::os::room`]): the end's rows, the call sites and
+/// the blocks still open, written twice (WAL, then the database).
+const ROOM: u64 = 8 << 20;
+
+/// SQLite's largest `max_page_count`: no limit.
+const NO_PAGE_LIMIT: i64 = 0xffff_fffe;
+
 /// A trace database being written.
 pub struct SqliteSink {
     /// `None` once finished.
@@ -64,6 +72,15 @@ pub struct SqliteSink {
     last_thread: ((u32, u32), i64),
     /// Allocations no release has named yet: the leaks, if the trace ended now.
     open_blocks: OpenBlocks,
+    /// Room given back when the disk is full, for the end (none when the
+    /// filesystem could not allocate it).
+    room: Option<std::fs::File>,
+    /// The directory of the database, and `--max-size` in bytes.
+    dir: std::path::PathBuf,
+    max_size: Option<u64>,
+    /// The storage could not grow: the events after the last commit before
+    /// that are not stored.
+    stopped_growing: bool,
 }
 
 impl SqliteSink {
@@ -71,6 +88,10 @@ impl SqliteSink {
     /// must be new or empty: the schema is created, not reused.
     pub fn create(path: &Path) -> Result<SqliteSink, SinkError> {
         let conn = Connection::open(path)?;
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+            _ => std::path::PathBuf::from("."),
+        };
         // page_size must be set before the first table exists.
         conn.pragma_update(None, "page_size", PAGE_SIZE)?;
         let mode: String =
@@ -112,7 +133,21 @@ impl SqliteSink {
             last_id: 0,
             last_thread: ((0, 0), -1),
             open_blocks: OpenBlocks::default(),
+            room: crate::os::room::keep(&dir, ROOM).ok(),
+            dir,
+            max_size: None,
+            stopped_growing: false,
         })
+    }
+
+    /// Let the database grow to `bytes` at most (`--max-size`): a write past
+    /// it fails as on a full disk, and the trace ends the same way.
+    pub fn limit(&mut self, bytes: u64) -> Result<(), SinkError> {
+        let pages = (bytes / PAGE_SIZE as u64).clamp(1, NO_PAGE_LIMIT as u64);
+        self.conn()?
+            .pragma_update(None, "max_page_count", pages as i64)?;
+        self.max_size = Some(bytes);
+        Ok(())
     }
 
     /// After a failed write the transaction may be gone (SQLite rolls back on
@@ -215,16 +250,21 @@ impl SqliteSink {
         // The frame is named after the function whose machine code it is (the
         // outermost line); the inlined functions are in frame_lines.
         let real = symbols.lines.last().cloned().unwrap_or_default();
-        conn.prepare_cached(
-            "UPDATE frames SET function = ?, file = ?, line = ?, wrapper = ? WHERE id = ?",
-        )?
-        .execute(params![
-            real.function,
-            real.file,
-            real.line,
-            i64::from(symbols.wrapper),
-            int(symbols.frame_id)
-        ])?;
+        let stored = conn
+            .prepare_cached(
+                "UPDATE frames SET function = ?, file = ?, line = ?, wrapper = ? WHERE id = ?",
+            )?
+            .execute(params![
+                real.function,
+                real.file,
+                real.line,
+                i64::from(symbols.wrapper),
+                int(symbols.frame_id)
+            ])?;
+        if stored == 0 {
+            // Not stored (dropped when the storage could not grow).
+            return Ok(());
+        }
         conn.prepare_cached("DELETE FROM frame_lines WHERE frame_id = ?")?
             .execute([int(symbols.frame_id)])?;
         let mut insert = conn.prepare_cached(
@@ -376,6 +416,12 @@ impl EventSink for SqliteSink {
         // finds them on every query (correct, and slower). And the call
         // sites, now that the frames are named and marked.
         conn.execute_batch("BEGIN")?;
+        if self.stopped_growing {
+            // `events` counts the calls the trace saw: those stored, here.
+            conn.execute_batch(
+                "INSERT OR REPLACE INTO meta(key, value) SELECT 'events', count(*) FROM event_log",
+            )?;
+        }
         conn.execute_batch(schema::CALL_SITES_AT_FINISH)?;
         match self.open_blocks.ids() {
             Some(ids) => {
@@ -405,6 +451,50 @@ impl EventSink for SqliteSink {
         conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")?;
         let _ = conn.pragma_update(None, "journal_mode", "delete");
         conn.close().map_err(|(_, err)| SinkError::Sqlite(err))
+    }
+
+    fn cannot_grow(&mut self, err: &SinkError) -> Option<String> {
+        let SinkError::Sqlite(rusqlite::Error::SqliteFailure(failure, _)) = err else {
+            return None;
+        };
+        let reason = match failure.code {
+            // The limit, unless the disk filled up first (little room left).
+            rusqlite::ErrorCode::DiskFull
+                if self.max_size.is_some()
+                    && crate::os::room::available(&self.dir).is_ok_and(|n| n >= ROOM) =>
+            {
+                format!(
+                    "the trace database reached --max-size ({} bytes)",
+                    self.max_size.unwrap_or_default()
+                )
+            }
+            rusqlite::ErrorCode::DiskFull => {
+                "the trace database's disk is full (or a quota is reached)".to_string()
+            }
+            rusqlite::ErrorCode::SystemIoFailure => {
+                format!("the trace database cannot be written ({failure})")
+            }
+            _ => return None,
+        };
+        // What the transaction wrote before the statement that failed is a
+        // prefix of the trace, in order: kept, with the room given back and
+        // the limit lifted for it (SQLite undid the failed statement; if it
+        // undid the whole transaction, or the commit fails, the trace ends
+        // at the last commit).
+        self.room = None;
+        if let Some(conn) = &self.conn {
+            let _ = conn.pragma_update(None, "max_page_count", NO_PAGE_LIMIT);
+            if !conn.is_autocommit() && conn.execute_batch("COMMIT").is_err() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+        }
+        self.in_transaction = false;
+        self.failed = false;
+        self.pending.clear();
+        // Its allocations may have been rolled back: `finish` asks SQLite.
+        self.open_blocks.give_up();
+        self.stopped_growing = true;
+        Some(reason)
     }
 }
 

@@ -71,6 +71,16 @@ impl OpenBlocks {
         }
     }
 
+    /// Stop keeping the set (events written may have been rolled back):
+    /// `finish` asks SQLite instead.
+    pub fn give_up(&mut self) {
+        *self = OpenBlocks {
+            events: self.events,
+            gave_up: true,
+            ..OpenBlocks::default()
+        };
+    }
+
     /// Move the oldest `words` of the window out.
     fn slide(&mut self, words: usize) {
         for _ in 0..words {
