@@ -346,7 +346,7 @@ mod tests {
     fn reads_the_start_time_back() {
         for ms in [0u64, 951_782_400_000, 1_795_354_254_123] {
             let t = SystemTime::UNIX_EPOCH + Duration::from_millis(ms);
-            let text = crate::session::rfc3339(t);
+            let text = crate::time::rfc3339(t);
             assert_eq!(
                 parse_rfc3339_ns(&text),
                 Some(ms as i64 * 1_000_000),
