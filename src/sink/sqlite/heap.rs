@@ -5,7 +5,7 @@
 
 use rusqlite::{Connection, params};
 
-use super::int;
+use super::rows::int;
 use crate::heap::HeapMap;
 use crate::sink::HeapSnapshot;
 
