@@ -69,6 +69,13 @@ fn check(t: &Trace, variant: Variant) {
         .unwrap();
     assert_eq!(allocator_calls(t, "mmap", "malloc"), big, "{variant:?}");
     assert_eq!(allocator_calls(t, "munmap", "free"), big, "{variant:?}");
+    if variant == Variant::Musl {
+        // And the page of metadata musl's malloc maps for the first one,
+        // from a helper of malloc's (`__malloc_alloc_meta`).
+        let all =
+            t.int("SELECT count(*) FROM map_events WHERE op = 'mmap' AND by_allocator = 'malloc'");
+        assert_eq!(all, big + 1, "{variant:?}");
+    }
     // The results are the program's: every mmap it made succeeded and
     // returned a page-aligned address, which its munmap released.
     let failed: i64 = t.int("SELECT count(*) FROM map_events WHERE op = 'mmap' AND result = -1");
