@@ -7,7 +7,9 @@
 //!   matched against the signature sets of the C libraries it may have been
 //!   linked with ([`crate::symbols::signatures`]).
 //! - Code built without unwind tables has CFI only in `.debug_frame`, which
-//!   the debug file may hold when the image was stripped.
+//!   the debug file may hold when the image was stripped; the C library's
+//!   functions of a static executable that have none at all (musl's) get
+//!   theirs from their machine code ([`super::height`]).
 //!
 //! Each allocator entry says how it was found ([`FoundBy`]). Nothing here
 //! fails: what cannot be read is simply not found.
@@ -50,6 +52,7 @@ pub fn load_with<'a>(
     if image.allocators.is_empty() && image.is_static_exe {
         from_signatures(&mut image, libraries());
     }
+    super::height::describe_c_library(&mut image, bytes);
     Ok(image)
 }
 

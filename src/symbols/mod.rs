@@ -8,6 +8,7 @@ pub mod callsite;
 pub mod cfi;
 pub mod debuginfod;
 pub mod elf;
+pub mod height;
 pub mod locate;
 pub mod namer;
 pub mod names;

@@ -499,12 +499,7 @@ impl Pipeline {
         let cut = vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
         // libunwind ends a walk where it finds no rule too: that is the
         // outermost frame only if CFI says so.
-        let ends_in_cfi = self.ips.last().is_some_and(|&ip| {
-            image_at(ip).is_some_and(|m| {
-                let svma = m.bias.to_svma(Avma(ip.wrapping_sub(1)));
-                m.image.cfi.covers(svma.0)
-            })
-        });
+        let ends_in_cfi = ends_in_cfi(&self.ips, image_at);
         let truncated = (cut || end == WalkEnd::Failed || end == WalkEnd::Stopped && !ends_in_cfi)
             && self.ips.len() < self.max_depth;
         if unmatched_release && self.is_housekeeping(allocator_module, caller) {
@@ -541,20 +536,27 @@ impl Pipeline {
         let (caller, _, copy) = self.take_stack(pid, event.tid, stack);
         let images = self.processes.get(&pid);
         let image_at = |ip| images.and_then(|p| p.image_at(ip));
-        vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
+        let cut = vet(&mut self.ips, &mut self.trust, &mut self.known, image_at);
+        // The walk is the whole stack when it ends in code that CFI
+        // describes (`_start`); else it may have stopped in the allocator.
+        let whole = !cut && ends_in_cfi(&self.ips, image_at);
         if self.ips.is_empty() && caller != 0 {
             self.ips.push(caller);
         }
         // The allocator call it was made in, the outermost: by a frame
         // inside an allocator function or just after a call of one, or,
-        // where the stack ends early (an allocator without unwind tables:
-        // musl), by the return addresses left in the stack copy.
+        // where the stack ends early (code without unwind tables: musl's
+        // malloc, whose helpers a stripped binary names no extent of), by
+        // the return addresses left in the stack copy.
         event.by_allocator = self
             .ips
             .iter()
             .rev()
             .find_map(|&ip| allocator_frame(ip, &image_at))
-            .or_else(|| copy.and_then(|s| allocator_call_in_copy(&s, &image_at)));
+            .or_else(|| {
+                let copy = copy.filter(|_| !whole)?;
+                allocator_call_in_copy(&copy, &image_at)
+            });
         if self.stacks {
             let module_of = |ip: u64| images.and_then(|p| p.image_at(ip)).map(|m| m.module_id);
             event.stack_id = self
@@ -610,10 +612,11 @@ impl Pipeline {
 /// a stack copy word by word.
 const SCAN: usize = 256;
 
-/// The allocator call a stack copy shows a return address of: the innermost
-/// word that is a return address (into an image's code, just after a call)
-/// whose call instruction calls an allocator function. Not a stack: only
-/// the fact that the thread was inside that call.
+/// The allocator call a stack copy shows a return address of: the
+/// outermost word that is a return address (into an image's code, just
+/// after a call) whose call instruction is inside an allocator function or
+/// calls one, as [`allocator_frame`] tells of a walked frame. Not a stack:
+/// only the fact that the thread was inside that call.
 fn allocator_call_in_copy<'a>(
     sample: &StackSample,
     image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
@@ -624,7 +627,19 @@ fn allocator_call_in_copy<'a>(
         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         .filter(|&word| super::vet::is_return_address(word, image_at(word)))
         .take(SCAN)
-        .find_map(|word| allocator_called_before(word, image_at))
+        .filter_map(|word| allocator_frame(word, image_at))
+        .last()
+}
+
+/// True when the last of the return addresses `ips` is in code that CFI
+/// describes: a walk that stops there is at the outermost frame.
+fn ends_in_cfi<'a>(ips: &[u64], image_at: impl Fn(u64) -> Option<&'a MappedImage>) -> bool {
+    ips.last().is_some_and(|&ip| {
+        image_at(ip).is_some_and(|m| {
+            let svma = m.bias.to_svma(Avma(ip.wrapping_sub(1)));
+            m.image.cfi.covers(svma.0)
+        })
+    })
 }
 
 /// The allocator function that return address `ip` is inside of (its

@@ -118,6 +118,15 @@ fn build_variant(variant: Variant) -> PathBuf {
     for name in TRACEES.iter().chain(&MORE_TRACEES) {
         compile(variant, &[&format!("{name}.c")], &dir.join(name), &[]);
     }
+    if variant == Variant::Musl {
+        // musl's dynamic build of clib, against its libc.so.
+        let mut cmd = Command::new("musl-gcc");
+        cmd.args(CFLAGS)
+            .arg("-o")
+            .arg(dir.join("clib-dynamic"))
+            .arg(source_dir().join("clib.c"));
+        build(&mut cmd);
+    }
     // No unwind tables, frame pointers: the unwinders' fallback. Without
     // its .debug_frame too, which would describe the code (-g).
     compile(

@@ -301,8 +301,7 @@ fn leaks_from_main(t: &Trace) -> Vec<(Vec<String>, i64)> {
 /// fopen) is charged to the program's function that called it, with the
 /// same stack from there out, whether the C library is a module of its own
 /// (dynamic) or linked into the program (static, static-pie): in
-/// `call_sites` and in the report. (Not musl: its `libc.a` has no unwind
-/// tables, so a stack that starts in its `strdup` ends there.)
+/// `call_sites` and in the report. (musl: see the next test.)
 #[test]
 fn c_library_calls_are_charged_alike_static_and_dynamic() {
     let mut builds = Vec::new();
@@ -341,4 +340,42 @@ fn c_library_calls_are_charged_alike_static_and_dynamic() {
     for (variant, leaks) in &builds[1..] {
         assert_eq!(leaks, dynamic, "{variant:?} against the dynamic build");
     }
+}
+
+/// musl's C library has no unwind tables (`libc.a`, and `libc.so` but for
+/// a few entries): its functions' frames are described from their machine
+/// code (`symbols::height`), so the blocks `strdup` and `fopen` allocate
+/// are charged to their callers, with the stack from there out to `main`,
+/// alike in the static and the dynamic build. musl's stdout buffer is
+/// static: no `say_hello` line.
+#[test]
+fn musl_c_library_calls_are_charged_to_their_callers() {
+    let mut builds = Vec::new();
+    for name in ["clib", "clib-dynamic"] {
+        let t = trace(Variant::Musl, name, &[], &[]);
+        assert_eq!(t.run.code(), 0, "{name}: {}", t.run.stderr);
+        let stated = sites(&t.run.stdout);
+        assert_eq!(stated.len(), 2, "{name}: {stated:?}");
+        assert_sites(&by_call_site(&t), &stated, name);
+        let c = callers(&report_json(&t.path, &[]));
+        for ((function, _), (calls, _)) in &stated {
+            assert_eq!(
+                c.get(function).map(|c| c.0),
+                Some(*calls as u64),
+                "{name}: {c:#?}"
+            );
+        }
+        let leaks = leaks_from_main(&t);
+        let stacks: Vec<Vec<&str>> = leaks
+            .iter()
+            .map(|(s, _)| s.iter().map(String::as_str).collect())
+            .collect();
+        assert_eq!(
+            stacks,
+            [["copy_name", "main"], ["open_self", "main"]],
+            "{name}"
+        );
+        builds.push(leaks);
+    }
+    assert_eq!(builds[0], builds[1], "static against dynamic");
 }
