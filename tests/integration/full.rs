@@ -35,9 +35,11 @@ fn check_prefix(t: &Trace, attached: bool) {
         (mallocs - frees == 0 || mallocs - frees == 1 || mallocs - frees == -before),
         "{mallocs} mallocs, {frees} frees"
     );
+    // A free never seen allocated: only, attached, that of a malloc in
+    // flight at the attach (docs/schema.md: it finishes unrecorded).
     let unknown =
         t.int("SELECT count(*) FROM events WHERE op = 'free' AND ptr <> 0 AND alloc_id IS NULL");
-    assert_eq!(unknown, 0);
+    assert!(unknown <= before, "{unknown} frees never seen allocated");
     assert_eq!(t.int("SELECT count(*) FROM trace_finished"), 1);
     // Live at the end: at most the last malloc, whose free came after it.
     let leaked = t.int(
