@@ -33,6 +33,7 @@ pub mod seccomp;
 pub mod session;
 pub mod sink;
 pub mod symbols;
+pub mod trace_id;
 pub mod tracer;
 pub mod unwind;
 pub mod wrappers;

@@ -255,6 +255,7 @@ fn start_output(config: &TraceConfig, command: &str, mode: &str) -> Result<Sqlit
         ("command", command.to_string()),
         ("mode", mode.to_string()),
         ("started_at", rfc3339(SystemTime::now())),
+        ("trace_id", crate::trace_id::new()),
         ("version", env!("CARGO_PKG_VERSION").to_string()),
         ("unwinder", unwinder_name(config)),
         ("max_depth", config.max_depth.to_string()),
