@@ -34,6 +34,7 @@ pub mod session;
 pub mod sink;
 pub mod symbols;
 pub mod time;
+pub mod trace_id;
 pub mod tracer;
 pub mod unwind;
 pub mod wrappers;

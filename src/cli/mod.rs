@@ -166,6 +166,12 @@ pub struct ExportArgs {
     #[arg(long, value_name = "PATH")]
     pub collapsed: Option<PathBuf>,
 
+    /// Write the trace as Parquet files into DIR (created if missing):
+    /// events, stacks, frames and meta, each row with the trace's id, to
+    /// query many traces together (DuckDB, Spark).
+    #[arg(long, value_name = "DIR")]
+    pub parquet: Option<PathBuf>,
+
     /// What the folded stacks are weighed by.
     #[arg(long, value_enum, default_value_t = MetricArg::Allocated)]
     pub metric: MetricArg,
@@ -453,11 +459,13 @@ impl Cli {
                     height: a.size.1,
                 },
             },
-            Some(Command::Export(a)) if a.pprof.is_none() && a.collapsed.is_none() => {
+            Some(Command::Export(a))
+                if a.pprof.is_none() && a.collapsed.is_none() && a.parquet.is_none() =>
+            {
                 return Err(usage::error(
                     Some("export"),
                     ErrorKind::MissingRequiredArgument,
-                    "nothing to export: give --pprof PATH, --collapsed PATH, or both",
+                    "nothing to export: give --pprof PATH, --collapsed PATH, --parquet DIR, or several",
                     Some(format!(
                         "memptrace export {} --pprof heap.pb.gz",
                         usage::quoted(a.file.trace.as_os_str())
@@ -469,6 +477,7 @@ impl Cli {
                 options: ExportOptions {
                     pprof: a.pprof,
                     collapsed: a.collapsed,
+                    parquet: a.parquet,
                     metric: a.metric.into(),
                     wrappers: with_before(a.wrappers.wrappers),
                 },

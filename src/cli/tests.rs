@@ -457,6 +457,14 @@ fn export_options() {
     assert_eq!(options.pprof, Some(PathBuf::from("p.pb.gz")));
     assert_eq!(options.collapsed, Some(PathBuf::from("c.txt")));
     assert_eq!(options.metric, Metric::Allocated);
+    assert_eq!(options.parquet, None);
+    let Ok(Config::Export { options, .. }) =
+        parse(&["memptrace", "export", "t.db", "--parquet", "fleet/t1"])
+    else {
+        panic!("not an export");
+    };
+    assert_eq!(options.parquet, Some(PathBuf::from("fleet/t1")));
+    assert_eq!((options.pprof, options.collapsed), (None, None));
     let err = parse(&["memptrace", "export", "t.db"]).expect_err("an output is required");
     assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
 }

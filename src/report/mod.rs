@@ -30,6 +30,7 @@ pub mod flame;
 mod heapdraw;
 pub mod heapmap;
 pub mod listing;
+pub mod parquet;
 pub mod plot;
 mod plotmodel;
 pub mod pprof;
@@ -146,6 +147,8 @@ pub struct ExportOptions {
     pub pprof: Option<PathBuf>,
     /// Folded stacks, one `outer;...;inner value` line per stack.
     pub collapsed: Option<PathBuf>,
+    /// A directory for the Parquet files ([`parquet`]).
+    pub parquet: Option<PathBuf>,
     /// What the folded stacks are weighed by.
     pub metric: Metric,
     /// The user's allocator wrappers, beside the trace's.

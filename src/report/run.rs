@@ -10,7 +10,8 @@ use super::summary::Summary;
 use super::text::Style;
 use super::{
     ExportOptions, FlamegraphOptions, Format, PlotOptions, ReportError, ReportOptions, Trace,
-    WindowOptions, check_output, flame, open, plot, pprof, print, text, window, write_file,
+    WindowOptions, check_output, flame, open, parquet, plot, pprof, print, text, window,
+    write_file,
 };
 
 fn json(value: &impl serde::Serialize) -> Result<String, ReportError> {
@@ -86,13 +87,31 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
         check_output(path, output)?;
     }
     let trace = open(path)?;
-    let mut analysis = Analysis::run(&trace)?;
-    if options.collapsed.is_some() && options.metric == super::Metric::Peak {
-        analysis.add_peak(&trace)?;
+    if options.pprof.is_some() || options.collapsed.is_some() {
+        export_profiles(&trace, options)?;
     }
-    let table = StackTable::load(&trace, &options.wrappers)?;
+    if let Some(dir) = &options.parquet {
+        let (id, derived) = parquet::trace_id(&trace)?;
+        if derived {
+            eprintln!(
+                "memptrace: {}: the trace has no trace_id (an older memptrace wrote it): exported as {id}, derived from its pid, started_at and command",
+                path.display()
+            );
+        }
+        parquet::export(&trace, dir, &id)?;
+    }
+    Ok(())
+}
+
+/// `export --pprof` and `--collapsed`: from one analysis.
+fn export_profiles(trace: &Trace, options: &ExportOptions) -> Result<(), ReportError> {
+    let mut analysis = Analysis::run(trace)?;
+    if options.collapsed.is_some() && options.metric == super::Metric::Peak {
+        analysis.add_peak(trace)?;
+    }
+    let table = StackTable::load(trace, &options.wrappers)?;
     if let Some(out) = &options.pprof {
-        let profile = pprof::profile(&trace, &analysis, &table)?;
+        let profile = pprof::profile(trace, &analysis, &table)?;
         let bytes = pprof::encode(&profile).map_err(|source| ReportError::Write {
             path: out.clone(),
             source,

@@ -25,6 +25,7 @@ pub(super) fn start_output(
         ("command", command.to_string()),
         ("mode", mode.to_string()),
         ("started_at", crate::time::rfc3339(SystemTime::now())),
+        ("trace_id", crate::trace_id::new()),
         ("version", env!("CARGO_PKG_VERSION").to_string()),
         ("unwinder", unwinder_name(config)),
         ("max_depth", config.max_depth.to_string()),

@@ -303,7 +303,7 @@ fn reports_say_what_they_read_and_what_is_missing() {
     assert_eq!(export.code(), 2);
     assert_eq!(
         export.stderr,
-        "error: nothing to export: give --pprof PATH, --collapsed PATH, or both\n\n  \
+        "error: nothing to export: give --pprof PATH, --collapsed PATH, --parquet DIR, or several\n\n  \
          tip: memptrace export trace.db --pprof heap.pb.gz\n\n\
          Usage: memptrace export [OPTIONS] [TRACE]\n"
     );

@@ -15,6 +15,7 @@ mod bigheap;
 mod cli;
 mod debuginfod;
 mod docs;
+mod export;
 mod failopen;
 mod faults;
 mod full;
