@@ -376,11 +376,7 @@ impl Tracer {
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
         self.settle_copy(tid, false);
         self.stops.forget(tid);
-        if let Some(b) = self
-            .family
-            .space_of_mut(tid)
-            .and_then(|s| s.buffers.as_mut())
-        {
+        if let Some(b) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
             b.release(tid);
         }
         if self.family.pid_of(tid) == Some(tid) {
