@@ -34,8 +34,8 @@ use crate::memory::Memory;
 use crate::os::mem::{self, ProcessMemory};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
-use crate::unwind::pipeline::{CallStack, RawCall, TraceMsg};
-use crate::unwind::{StackSample, Unwinder};
+use crate::trace_msg::{CallStack, RawCall, StackSample, TraceMsg};
+use crate::unwind::Unwinder;
 
 /// The two ways out of an int3 probe (see [`Probe::Int3`]).
 #[derive(Clone, Copy, Debug)]

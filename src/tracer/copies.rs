@@ -21,8 +21,7 @@
 use super::{TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
-use crate::unwind::StackSample;
-use crate::unwind::pipeline::{CallStack, TraceMsg};
+use crate::trace_msg::{CallStack, StackSample, TraceMsg};
 
 /// A stack copy asked of a thread and not taken yet.
 #[derive(Clone, Copy, Debug)]

@@ -29,7 +29,7 @@ use crate::event::Op;
 use crate::heap::{self, HeapCopy, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
-use crate::unwind::pipeline::CallStack;
+use crate::trace_msg::CallStack;
 
 /// The heap at attach, copied while the program waits, to be walked and
 /// sent on once it runs again ([`Tracer::take_inventory`]).

@@ -13,8 +13,8 @@ use super::handlers::HandlerFrame;
 use super::space::Space;
 use crate::event::Op;
 use crate::os::ptrace::{Stop, Tid};
+use crate::trace_msg::CallStack;
 use crate::unwind::libunwind::LibunwindUnwinder;
-use crate::unwind::pipeline::CallStack;
 
 /// The role of a traced process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -22,7 +22,7 @@ use super::probes::jump::decode;
 use super::probes::jump::layout::{Called, record};
 use crate::os::local;
 use crate::os::ptrace::Tid;
-use crate::unwind::WalkEnd;
+use crate::trace_msg::WalkEnd;
 
 /// How long records wait for a missing sequence number.
 const GAP_PATIENCE: Duration = Duration::from_millis(500);
