@@ -8,7 +8,8 @@
 //!
 //! Data flows one way:
 //! 1. [`os`] is the only place that talks to the kernel (ptrace, /proc, process memory).
-//! 2. [`tracer`] runs the wait loop, handles breakpoints and turns stops into raw calls.
+//! 2. [`tracer`] runs the wait loop, handles breakpoints and turns stops into raw calls
+//!    ([`trace_msg`]).
 //! 3. [`unwind`] turns a stack snapshot into return addresses and interns stacks.
 //! 4. [`sink`] stores [`event::Event`]s and the rest on a thread of its own (SQLite).
 //! 5. [`symbols`] names each unique code address once, at the end of the trace.
@@ -35,6 +36,7 @@ pub mod sink;
 pub mod symbols;
 pub mod time;
 pub mod trace_id;
+pub mod trace_msg;
 pub mod tracer;
 pub mod unwind;
 pub mod wrappers;

@@ -262,7 +262,7 @@ mod tests {
     fn usage_of_the_command_at_fault() {
         assert_eq!(
             printed(&["memptrace", "export", "t.db"], None),
-            "error: nothing to export: give --pprof PATH, --collapsed PATH, or both\n\n  tip: memptrace export t.db --pprof heap.pb.gz\n\nUsage: memptrace export [OPTIONS] [TRACE]\n"
+            "error: nothing to export: give --pprof PATH, --collapsed PATH, --parquet DIR, or several\n\n  tip: memptrace export t.db --pprof heap.pb.gz\n\nUsage: memptrace export [OPTIONS] [TRACE]\n"
         );
         assert_eq!(
             printed(&["memptrace", "-o", "x.svg", "flamegraph"], None),

@@ -34,8 +34,8 @@ use crate::memory::Memory;
 use crate::os::mem::{self, ProcessMemory};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
-use crate::unwind::pipeline::{CallStack, RawCall, TraceMsg};
-use crate::unwind::{StackSample, Unwinder};
+use crate::trace_msg::{CallStack, RawCall, StackSample, TraceMsg};
+use crate::unwind::Unwinder;
 
 /// The two ways out of an int3 probe (see [`Probe::Int3`]).
 #[derive(Clone, Copy, Debug)]
@@ -54,11 +54,7 @@ impl Tracer {
         let Some(pid) = self.family.pid_of(tid) else {
             return Ok(());
         };
-        let recording = self
-            .family
-            .processes
-            .get(&pid)
-            .is_some_and(|p| p.role == super::process::Role::Traced);
+        let recording = self.family.is_traced(pid);
         let Some(space) = self.family.space_of(tid) else {
             return self.resume(tid, libc::SIGTRAP);
         };
@@ -231,7 +227,7 @@ impl Tracer {
             .threads
             .get(&tid)
             .and_then(|t| t.unfinished_copy);
-        let buffers = self.family.space_of_mut(tid)?.buffers.as_mut()?;
+        let buffers = self.family.space_of_mut(tid)?.buffers_mut()?;
         if let Some((buffer, seq)) = unfinished {
             // A copy of this thread read at a stop before its routine was
             // done: the routine may still write the buffer (from a signal
@@ -244,7 +240,7 @@ impl Tracer {
                 thread.unfinished_copy = None;
             }
         }
-        let buffers = self.family.space_of_mut(tid)?.buffers.as_mut()?;
+        let buffers = self.family.space_of_mut(tid)?.buffers_mut()?;
         let issued = buffers.issue(tid)?;
         let copy = PendingCopy {
             buffer: issued.buffer,

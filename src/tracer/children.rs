@@ -150,7 +150,7 @@ impl Tracer {
         let now = self.now_ns();
         let modules: Vec<_> = copy.modules.values().cloned().collect();
         let areas = copy.area_ranges();
-        self.send(crate::unwind::pipeline::TraceMsg::Trampolines {
+        self.send(crate::trace_msg::TraceMsg::Trampolines {
             pid: tid as u32,
             areas,
         });

@@ -21,8 +21,7 @@
 use super::{TraceError, Tracer};
 use crate::os::mem;
 use crate::os::ptrace::{self, Stop, Tid};
-use crate::unwind::StackSample;
-use crate::unwind::pipeline::{CallStack, TraceMsg};
+use crate::trace_msg::{CallStack, StackSample, TraceMsg};
 
 /// A stack copy asked of a thread and not taken yet.
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +74,7 @@ impl Tracer {
         };
         let pid = thread.pid;
         let mut bytes = Vec::new();
-        let buffers = self.family.space_of(tid).and_then(|s| s.buffers.as_ref());
+        let buffers = self.family.space_of(tid).and_then(|s| s.buffers());
         let unfinished = match buffers {
             Some(b) if b.done(copy.buffer, copy.seq) => {
                 b.copy_out(copy.buffer, copy.len, &mut bytes);
@@ -110,7 +109,7 @@ impl Tracer {
                     let done = self
                         .family
                         .space_of(tid)
-                        .and_then(|s| s.buffers.as_ref())
+                        .and_then(|s| s.buffers())
                         .is_some_and(|b| b.done(copy.buffer, copy.seq));
                     if done {
                         self.settle_copy(tid, false);
@@ -175,11 +174,7 @@ impl Tracer {
         if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.stack = None;
         }
-        if let Some(buffers) = self
-            .family
-            .space_of_mut(tid)
-            .and_then(|s| s.buffers.as_mut())
-        {
+        if let Some(buffers) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
             buffers.resync_thread(tid);
         }
     }

@@ -250,10 +250,9 @@ impl Tracer {
         }
         let traced: Vec<Tid> = self
             .family
-            .processes
-            .iter()
-            .filter(|(_, p)| p.role == Role::Traced && p.space.is_some())
-            .map(|(&pid, _)| pid)
+            .traced()
+            .filter(|(_, p)| p.space.is_some())
+            .map(|(pid, _)| pid)
             .collect();
         // A vfork parent stopped at its vfork cannot run the munmap calls,
         // and its child, stopped too, cannot exec until let go: the parent

@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use super::Tracer;
 use super::probes::{HookKind, Probe};
-use super::process::Role;
 use crate::os::ptrace::{self, Tid};
 
 /// How long memptrace may go without a heartbeat before the probes of an
@@ -55,12 +54,7 @@ impl Tracer {
         let (Some(pid), Ok(regs)) = (self.family.pid_of(tid), ptrace::get_regs(tid)) else {
             return;
         };
-        if self
-            .family
-            .processes
-            .get(&pid)
-            .is_none_or(|p| p.role != Role::Traced)
-        {
+        if !self.family.is_traced(pid) {
             return;
         }
         let stack = self.stack_range(tid, pid, regs.rsp);

@@ -135,7 +135,7 @@ impl Tracer {
 mod tests {
     use super::*;
     use crate::event::Op;
-    use crate::unwind::pipeline::CallStack;
+    use crate::trace_msg::CallStack;
 
     fn call(entry_sp: u64) -> PendingCall {
         PendingCall {

@@ -24,13 +24,12 @@ use std::time::Instant;
 
 use super::ledger::{CallFacts, Ledger};
 use super::pauses::Pause;
-use super::process::Role;
 use super::{TraceMsg, Tracer};
 use crate::event::Op;
 use crate::heap::{self, HeapCopy, HeapMap};
 use crate::os::ptrace::Tid;
 use crate::sink::{HeapSnapshot, Record};
-use crate::unwind::pipeline::CallStack;
+use crate::trace_msg::CallStack;
 
 /// The heap at attach, copied while the program waits, to be walked and
 /// sent on once it runs again ([`Tracer::take_inventory`]).
@@ -208,12 +207,7 @@ impl Tracer {
     /// left. Other threads may still be on their way out (and may have
     /// died inside the allocator), so arenas are read as in a live process.
     pub(super) fn map_heap_at_exit(&mut self, tid: Tid) {
-        let traced = self
-            .family
-            .processes
-            .get(&tid)
-            .is_some_and(|p| p.role == Role::Traced);
-        if traced {
+        if self.family.is_traced(tid) {
             let ts_ns = self.now_ns();
             let map = read_heap(tid);
             self.send_heap(tid, ts_ns, "exit", map);
@@ -222,13 +216,7 @@ impl Tracer {
 
     /// The traced processes, whose heaps are mapped once they are let go.
     pub(super) fn heaps_to_map(&self) -> Vec<Tid> {
-        let mut pids: Vec<Tid> = self
-            .family
-            .processes
-            .iter()
-            .filter(|(_, p)| p.role == Role::Traced)
-            .map(|(&pid, _)| pid)
-            .collect();
+        let mut pids: Vec<Tid> = self.family.traced().map(|(pid, _)| pid).collect();
         pids.sort_unstable();
         pids
     }

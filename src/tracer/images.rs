@@ -8,8 +8,8 @@ use super::space::{Changes, Planted, Space};
 use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Tid};
 use crate::sink::Record;
+use crate::trace_msg::TraceMsg;
 use crate::unwind::libunwind::LibunwindUnwinder;
-use crate::unwind::pipeline::TraceMsg;
 use crate::unwind::{Unwinder, UnwinderKind};
 
 impl Tracer {

@@ -254,8 +254,8 @@ impl Tracer {
         if inside.is_empty() {
             return Ok((inside, Vec::new()));
         }
-        for process in self.family.processes.values() {
-            if let (Role::Traced, Some(space)) = (process.role, process.space.as_ref()) {
+        for (_, process) in self.family.traced() {
+            if let Some(space) = &process.space {
                 space.put_back_code()?;
             }
         }

@@ -14,8 +14,7 @@ use super::process::PendingMap;
 use super::{TraceError, Tracer};
 use crate::event::{MapEvent, MapOp};
 use crate::os::ptrace::{Regs, Tid};
-use crate::unwind::WalkEnd;
-use crate::unwind::pipeline::{CallStack, RawMap, TraceMsg};
+use crate::trace_msg::{CallStack, RawMap, TraceMsg, WalkEnd};
 
 impl Tracer {
     /// The entry of a mapping function: take its arguments and stack, and

@@ -51,8 +51,9 @@ use std::time::{Duration, Instant};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
 use crate::sink::{Record, SinkError, ThreadRecord};
+use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
-use crate::unwind::pipeline::{PipelineHandle, TraceMsg};
+use crate::unwind::pipeline::PipelineHandle;
 use ledger::Ledger;
 use outbox::Outbox;
 use process::{Family, Process, Role, Thread};
@@ -376,11 +377,7 @@ impl Tracer {
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
         self.settle_copy(tid, false);
         self.stops.forget(tid);
-        if let Some(b) = self
-            .family
-            .space_of_mut(tid)
-            .and_then(|s| s.buffers.as_mut())
-        {
+        if let Some(b) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
             b.release(tid);
         }
         if self.family.pid_of(tid) == Some(tid) {

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use crate::event::Event;
 use crate::os::ptrace::Tid;
 use crate::sink::SinkError;
-use crate::unwind::WalkEnd;
-use crate::unwind::pipeline::{BatchedCall, CallBatch, CallStack, PipelineHandle, TraceMsg};
+use crate::trace_msg::{BatchedCall, CallBatch, CallStack, TraceMsg, WalkEnd};
+use crate::unwind::pipeline::PipelineHandle;
 
 /// Messages per batch sent to the pipeline.
 const BATCH: usize = 1024;

@@ -13,8 +13,8 @@ use super::handlers::HandlerFrame;
 use super::space::Space;
 use crate::event::Op;
 use crate::os::ptrace::{Stop, Tid};
+use crate::trace_msg::CallStack;
 use crate::unwind::libunwind::LibunwindUnwinder;
-use crate::unwind::pipeline::CallStack;
 
 /// The role of a traced process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,6 +192,24 @@ impl Family {
         self.processes.get_mut(&owner)?.space.as_mut()
     }
 
+    /// Process `pid` is traced in an address space of its own: launched and
+    /// past its first execve, forked, or attached to (not a vfork child
+    /// running in its parent's memory).
+    pub fn is_traced(&self, pid: Tid) -> bool {
+        self.processes
+            .get(&pid)
+            .is_some_and(|p| p.role == Role::Traced)
+    }
+
+    /// The processes traced in address spaces of their own (see
+    /// [`Family::is_traced`]), in no order.
+    pub fn traced(&self) -> impl Iterator<Item = (Tid, &Process)> {
+        self.processes
+            .iter()
+            .filter(|(_, p)| p.role == Role::Traced)
+            .map(|(&pid, p)| (pid, p))
+    }
+
     /// The threads of process `pid`.
     pub fn threads_of(&self, pid: Tid) -> Vec<Tid> {
         self.threads
@@ -204,5 +222,72 @@ impl Family {
     /// Nothing is traced any more, and no child is on its way.
     pub fn is_empty(&self) -> bool {
         self.processes.is_empty() && self.announced.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A launched process before its execve (1), a traced one (2) with a
+    /// vfork child in its memory (3), and a traced fork (4).
+    fn family() -> Family {
+        let mut family = Family::default();
+        let roles = [
+            (1, Role::Prelaunch),
+            (2, Role::Traced),
+            (3, Role::Shares { parent: 2 }),
+            (4, Role::Traced),
+        ];
+        for (pid, role) in roles {
+            family.processes.insert(pid, Process::new(role, None));
+            family.threads.insert(pid, Thread::new(pid, 0));
+        }
+        // A second thread of process 2.
+        family.threads.insert(20, Thread::new(2, 0));
+        family
+    }
+
+    #[test]
+    fn traced_means_in_a_space_of_its_own() {
+        let family = family();
+        let traced: Vec<bool> = (1..=5).map(|pid| family.is_traced(pid)).collect();
+        assert_eq!(traced, [false, true, false, true, false]);
+        let mut pids: Vec<Tid> = family.traced().map(|(pid, _)| pid).collect();
+        pids.sort_unstable();
+        assert_eq!(pids, [2, 4]);
+        // A thread's number is not its process's.
+        assert!(!family.is_traced(20));
+    }
+
+    #[test]
+    fn a_vfork_child_runs_in_its_parents_space() {
+        let family = family();
+        assert_eq!(family.pid_of(20), Some(2));
+        assert_eq!(family.owner_of(20), Some(2));
+        assert_eq!(family.owner_of(3), Some(2));
+        assert_eq!(family.owner_of(4), Some(4));
+        assert_eq!(family.owner_of(99), None);
+        // No space made yet: none found, whoever asks.
+        assert!(family.space_of(3).is_none());
+        let mut threads = family.threads_of(2);
+        threads.sort_unstable();
+        assert_eq!(threads, [2, 20]);
+    }
+
+    #[test]
+    fn recorded_and_empty() {
+        let mut family = family();
+        let recorded: Vec<bool> = (1..=4)
+            .map(|pid| family.processes[&pid].recorded())
+            .collect();
+        assert_eq!(recorded, [true, true, false, true]);
+        assert!(!family.is_empty());
+        family.processes.clear();
+        family.announced.insert(7, Child::Thread { pid: 2 });
+        // A child on its way: not empty yet.
+        assert!(!family.is_empty());
+        family.announced.clear();
+        assert!(family.is_empty());
     }
 }

@@ -22,7 +22,7 @@ use super::probes::jump::decode;
 use super::probes::jump::layout::{Called, record};
 use crate::os::local;
 use crate::os::ptrace::Tid;
-use crate::unwind::WalkEnd;
+use crate::trace_msg::WalkEnd;
 
 /// How long records wait for a missing sequence number.
 const GAP_PATIENCE: Duration = Duration::from_millis(500);
@@ -133,10 +133,7 @@ impl Tracer {
         let Some(process) = self.family.processes.get_mut(&pid) else {
             return 0;
         };
-        let Some(jumps) = process.space.as_mut().and_then(|s| s.jump.as_mut()) else {
-            return 0;
-        };
-        let (Some(control), probes) = (jumps.control.as_mut(), &jumps.probes) else {
+        let Some((control, probes)) = process.space.as_mut().and_then(|s| s.recording_mut()) else {
             return 0;
         };
         let probe = |id: u16, what| probes.get(usize::from(id)).is_some_and(|p| p.records(what));

@@ -79,12 +79,7 @@ impl Tracer {
                 // the process's own: a vfork child that execs leaves its
                 // parent's memory, and the probes in it, as they are.
                 let pid = self.family.pid_of(tid).unwrap_or(tid);
-                let owns = self
-                    .family
-                    .processes
-                    .get(&pid)
-                    .is_some_and(|p| p.role == Role::Traced);
-                if owns {
+                if self.family.is_traced(pid) {
                     if let Some(space) = self.family.space_of_mut(tid) {
                         space.hooks.clear();
                     }

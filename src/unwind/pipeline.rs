@@ -4,180 +4,20 @@
 //! the target has been resumed, so none of it is on the stop path.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Range;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
+use super::by_allocator::{allocator_call_in_copy, allocator_frame, ends_in_cfi};
 use super::framehop::FramehopUnwinder;
 use super::intern::Interner;
+use super::seen::StackCache;
 use super::vet::{Trust, vet};
 use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
-use crate::event::{Event, MapEvent};
-use crate::sink::{ModuleRecord, Record, RecordSender, SinkError};
+use crate::event::Event;
+use crate::sink::{Record, RecordSender, SinkError};
 use crate::symbols::namer::NameSender;
-
-/// Whole stacks seen (see `Pipeline::call`), by a hash of what the
-/// unwinder returned.
-#[derive(Default)]
-struct StackCache {
-    stacks: rustc_hash::FxHashMap<u64, SeenStack>,
-}
-
-/// A whole stack seen, and what became of it.
-struct SeenStack {
-    pid: u32,
-    ips: Box<[u64]>,
-    caller: u64,
-    end: WalkEnd,
-    truncated: bool,
-    leaf: Option<u64>,
-}
-
-/// Stacks remembered at most (then the cache starts again).
-const STACK_CACHE: usize = 1 << 20;
-
-impl StackCache {
-    fn key(pid: u32, ips: &[u64], caller: u64, end: WalkEnd) -> u64 {
-        use std::hash::BuildHasher;
-        rustc_hash::FxBuildHasher.hash_one((pid, ips, caller, end))
-    }
-
-    fn get(
-        &self,
-        key: u64,
-        pid: u32,
-        ips: &[u64],
-        caller: u64,
-        end: WalkEnd,
-    ) -> Option<&SeenStack> {
-        self.stacks
-            .get(&key)
-            .filter(|s| s.pid == pid && *s.ips == *ips && s.caller == caller && s.end == end)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn insert(
-        &mut self,
-        key: u64,
-        pid: u32,
-        ips: Vec<u64>,
-        caller: u64,
-        end: WalkEnd,
-        truncated: bool,
-        leaf: Option<u64>,
-    ) {
-        if self.stacks.len() >= STACK_CACHE {
-            self.stacks.clear();
-        }
-        let seen = SeenStack {
-            pid,
-            ips: ips.into(),
-            caller,
-            end,
-            truncated,
-            leaf,
-        };
-        self.stacks.insert(key, seen);
-    }
-
-    /// Forget the stacks of process `pid` (gone: its number may come back
-    /// with other images), or every stack (an image went).
-    fn forget(&mut self, pid: Option<u32>) {
-        match pid {
-            Some(pid) => self.stacks.retain(|_, s| s.pid != pid),
-            None => self.stacks.clear(),
-        }
-    }
-}
-
-/// A call as the tracer saw it, before unwinding.
-#[derive(Debug)]
-pub struct RawCall {
-    pub event: Event,
-    pub stack: CallStack,
-    /// Module id of the image whose allocator function was called.
-    pub allocator_module: u64,
-    /// A free (or realloc) of a block that was not live: either a block from
-    /// before the trace, a program bug, or the allocator's own housekeeping.
-    pub unmatched_release: bool,
-}
-
-#[derive(Debug)]
-pub enum CallStack {
-    /// No stack wanted; the return address still identifies the caller.
-    CallerOnly(u64),
-    /// A copy to unwind here.
-    Sample(StackSample),
-    /// Already unwound on the tracer thread (libunwind), and why the walk
-    /// ended.
-    Unwound { ips: Vec<u64>, end: WalkEnd },
-}
-
-/// What the tracer sends the pipeline, in the order things happened.
-#[derive(Debug)]
-pub enum TraceMsg {
-    Image {
-        pid: u32,
-        mapped: MappedImage,
-        record: ModuleRecord,
-    },
-    ImageGone {
-        pid: u32,
-        module_id: u64,
-        range: Range<u64>,
-        ts_ns: u64,
-    },
-    ProcessGone {
-        pid: u32,
-    },
-    /// The trampoline areas memptrace mapped in process `pid`, all of them.
-    Trampolines {
-        pid: u32,
-        areas: Vec<Range<u64>>,
-    },
-    Record(Record),
-    Call(Box<RawCall>),
-    /// Calls whose stacks were taken in the target (jump probes), their
-    /// frames in one vector: no allocation per call on either side.
-    Calls(Box<CallBatch>),
-    /// A call of a mapping function (mmap, munmap, brk...).
-    Map(Box<RawMap>),
-}
-
-/// A mapping call as the tracer saw it, before unwinding.
-#[derive(Debug)]
-pub struct RawMap {
-    pub event: MapEvent,
-    pub stack: CallStack,
-}
-
-/// Calls in order, with their frames in one vector.
-#[derive(Debug, Default)]
-pub struct CallBatch {
-    pub calls: Vec<BatchedCall>,
-    pub frames: Vec<u64>,
-}
-
-/// A call of a [`CallBatch`].
-#[derive(Debug)]
-pub struct BatchedCall {
-    pub event: Event,
-    /// Where its frames are in the batch's vector (innermost first).
-    pub frames: Range<usize>,
-    pub end: super::WalkEnd,
-    /// Only the caller is wanted (`--no-stacks`, or skipped by
-    /// `--stack-every`): the first frame.
-    pub caller_only: bool,
-    pub allocator_module: u64,
-    pub unmatched_release: bool,
-}
-
-impl CallBatch {
-    pub fn is_empty(&self) -> bool {
-        self.calls.is_empty()
-    }
-}
+use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
 
 /// What the pipeline counted, for the `meta` rows of the end.
 #[derive(Debug, Default)]
@@ -608,103 +448,121 @@ impl Pipeline {
     }
 }
 
-/// Return addresses to try, at most, when looking for an allocator call in
-/// a stack copy word by word.
-const SCAN: usize = 256;
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::Op;
+    use crate::sink::{MemorySink, Recorder, StackNode};
+    use crate::trace_msg::{BatchedCall, CallBatch};
 
-/// The allocator call a stack copy shows a return address of: the
-/// outermost word that is a return address (into an image's code, just
-/// after a call) whose call instruction is inside an allocator function or
-/// calls one, as [`allocator_frame`] tells of a walked frame. Not a stack:
-/// only the fact that the thread was inside that call.
-fn allocator_call_in_copy<'a>(
-    sample: &StackSample,
-    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
-) -> Option<crate::event::Op> {
-    sample
-        .bytes
-        .chunks_exact(8)
-        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-        .filter(|&word| super::vet::is_return_address(word, image_at(word)))
-        .take(SCAN)
-        .filter_map(|word| allocator_frame(word, image_at))
-        .last()
-}
-
-/// True when the last of the return addresses `ips` is in code that CFI
-/// describes: a walk that stops there is at the outermost frame.
-fn ends_in_cfi<'a>(ips: &[u64], image_at: impl Fn(u64) -> Option<&'a MappedImage>) -> bool {
-    ips.last().is_some_and(|&ip| {
-        image_at(ip).is_some_and(|m| {
-            let svma = m.bias.to_svma(Avma(ip.wrapping_sub(1)));
-            m.image.cfi.covers(svma.0)
-        })
-    })
-}
-
-/// The allocator function that return address `ip` is inside of (its
-/// call instruction is), or that the call instruction before it calls.
-fn allocator_frame<'a>(
-    ip: u64,
-    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
-) -> Option<crate::event::Op> {
-    let image = image_at(ip)?;
-    image
-        .image
-        .allocator_containing(image.bias.to_svma(Avma(ip - 1)))
-        .or_else(|| allocator_called_before(ip, image_at))
-}
-
-/// The allocator function (malloc, free, ...) that the call instruction
-/// before return address `ip` calls, directly, through a jump (musl's
-/// `malloc`, when a stripped binary's allocator is hooked at the body it
-/// jumps to), or through a PLT stub or a GOT slot: a mapping call whose
-/// stack has such a frame was made inside that allocator call, by the
-/// allocator.
-fn allocator_called_before<'a>(
-    ip: u64,
-    image_at: &impl Fn(u64) -> Option<&'a MappedImage>,
-) -> Option<crate::event::Op> {
-    use crate::symbols::callsite::{CallTarget, call_before, jump_target, plt_slot};
-    let image = image_at(ip)?;
-    let svma = image.bias.to_svma(Avma(ip)).0;
-    let before: [u8; 6] = image
-        .image
-        .code_at(svma.checked_sub(6)?, 6)?
-        .try_into()
-        .ok()?;
-    let slot = match call_before(&before, ip)? {
-        CallTarget::Direct(target) => {
-            let callee = image_at(target)?;
-            let at = callee.bias.to_svma(Avma(target));
-            let entry_at = |at| {
-                let mut entries = callee.image.allocators.iter();
-                entries.find(|a| a.svma == at).map(|a| a.default_op())
-            };
-            if let Some(op) = entry_at(at) {
-                return Some(op);
-            }
-            let jump = (callee
-                .image
-                .code_at(at.0, 9)
-                .or_else(|| callee.image.code_at(at.0, 5)))
-            .and_then(|code| jump_target(code, target));
-            if let Some(next) = jump.filter(|&next| callee.range.contains(&next)) {
-                if let Some(op) = entry_at(callee.bias.to_svma(Avma(next))) {
-                    return Some(op);
-                }
-            }
-            if !callee.image.in_plt(at) {
-                return None;
-            }
-            plt_slot(callee.image.code_at(at.0, 16)?, target)?
+    fn event(id: u64) -> Event {
+        Event {
+            id,
+            ts_ns: id,
+            pid: 10,
+            tid: 11,
+            op: Op::Malloc,
+            ptr: 0x5000 + id * 16,
+            size: Some(16),
+            old_ptr: None,
+            align: None,
+            alloc_id: None,
+            stack_id: None,
         }
-        CallTarget::Slot(slot) => slot,
-    };
-    let owner = image_at(slot)?;
-    owner
-        .image
-        .got_slots
-        .get(&owner.bias.to_svma(Avma(slot)).0)
-        .copied()
+    }
+
+    /// Run `batches` through a pipeline (stacks kept, no unwinding of its
+    /// own, no image known) into memory: what it counted and recorded.
+    fn run(batches: Vec<Vec<TraceMsg>>) -> (PipelineResult, Vec<Record>) {
+        let sink = MemorySink::new();
+        let recorder = Recorder::spawn(Box::new(sink.clone()));
+        let pipeline = PipelineHandle::spawn(recorder.sender(), false, true, 64, None);
+        for batch in batches {
+            pipeline.send(batch).unwrap();
+        }
+        let result = pipeline.finish().unwrap();
+        recorder.finish().unwrap();
+        (result, sink.records())
+    }
+
+    #[test]
+    fn batched_calls_become_events_on_interned_stacks() {
+        let mut batch = CallBatch::default();
+        // The same two frames three times, the second time the caller only.
+        for (id, caller_only) in [(1, false), (2, true), (3, false)] {
+            let start = batch.frames.len();
+            batch.frames.extend_from_slice(&[0x1000, 0x2000]);
+            batch.calls.push(BatchedCall {
+                event: event(id),
+                frames: start..batch.frames.len(),
+                end: WalkEnd::Outermost,
+                caller_only,
+                allocator_module: 1,
+                unmatched_release: false,
+            });
+        }
+        let meta = Record::Meta {
+            key: "k".into(),
+            value: "v".into(),
+        };
+        let (result, records) = run(vec![
+            vec![TraceMsg::Record(meta.clone())],
+            vec![TraceMsg::Calls(Box::new(batch))],
+        ]);
+        // In order, and the record passed on as it came.
+        assert_eq!(records.first(), Some(&meta));
+        let events: Vec<&Event> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Event(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(events.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3]);
+        let nodes: Vec<&StackNode> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::StackNode(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+        // No image is known: the second frame is no return address and is
+        // cut, so every call has the one-frame stack of its caller, and
+        // the two full walks count as truncated (the second from the cache).
+        assert_eq!(nodes.len(), 1);
+        assert_eq!((nodes[0].parent_id, nodes[0].depth), (None, 0));
+        for e in &events {
+            assert_eq!(e.stack_id, Some(nodes[0].id), "event {}", e.id);
+        }
+        assert_eq!(result.events, 3);
+        assert_eq!(result.truncated_stacks, 2);
+        assert_eq!(result.housekeeping_frees, 0);
+        assert_eq!(result.stack_nodes, 1);
+    }
+
+    #[test]
+    fn a_call_with_its_caller_only_and_a_gone_process() {
+        let call = RawCall {
+            event: event(7),
+            stack: CallStack::CallerOnly(0x3000),
+            allocator_module: 1,
+            unmatched_release: false,
+        };
+        let (result, records) = run(vec![vec![
+            TraceMsg::Call(Box::new(call)),
+            TraceMsg::ProcessGone { pid: 10 },
+            TraceMsg::Record(Record::Event(event(8))),
+        ]]);
+        let ids: Vec<(u64, bool)> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Event(e) => Some((e.id, e.stack_id.is_some())),
+                _ => None,
+            })
+            .collect();
+        // The inventory-like record keeps no stack; the call has its caller.
+        assert_eq!(ids, [(7, true), (8, false)]);
+        assert_eq!(result.events, 2);
+        assert_eq!(result.truncated_stacks, 0);
+    }
 }

@@ -55,8 +55,7 @@ impl Space {
         }
         // From here on the space is one of int3 probes: images mapped later
         // are hooked with them too.
-        self.jump = None;
-        self.fallback = Some(why.to_string());
+        self.probing.fall_back(why.to_string());
         let maps = procfs::read_maps(self.pid)?;
         let mut planted = Vec::new();
         for hook in jumps {
@@ -107,9 +106,6 @@ impl Space {
         maps: &[Mapping],
         signals: &mut Vec<i32>,
     ) -> Result<(), SpaceError> {
-        if let Some(jump) = self.jump.as_mut() {
-            jump.tried = true;
-        }
         probe_calls(tid)?;
         let name = self.room_near(tid, near, maps, 16, signals)?;
         self.mem.write(name, b"memptrace\0")?;
@@ -127,10 +123,7 @@ impl Space {
     /// attached, give up on it once its heartbeat stops.
     fn install_control(&mut self, mut control: Control) {
         control.forbid_wake();
-        if let Some(jump) = self.jump.as_mut() {
-            control.fail_open(jump.alive_ticks);
-            jump.control = Some(control);
-        }
+        self.probing.install_control(control);
     }
 
     /// A NUL-terminated name in the target's memory, for `memfd_create`.

@@ -13,14 +13,16 @@ use crate::tracer::probes::jump::{liveness, plan};
 use crate::tracer::probes::{Hook, HookKind, Probe};
 
 impl Space {
-    /// Hook `_dl_debug_state` at `addr` with a gate; false when no jump
-    /// fits (the caller plants an int3).
+    /// Hook `_dl_debug_state` at `addr` with a gate that reads the control
+    /// area at `remote`; false when no jump fits (the caller plants an
+    /// int3).
     pub(super) fn plant_gate(
         &mut self,
         tid: Tid,
         module: &LoadedModule,
         maps: &[Mapping],
         addr: u64,
+        remote: u64,
         signals: &mut Vec<i32>,
     ) -> Result<bool, SpaceError> {
         let mut code = vec![0u8; 64.min(module.range.end.saturating_sub(addr)) as usize];
@@ -33,11 +35,7 @@ impl Space {
                 None => return Ok(false),
             },
         };
-        let Some(control) = self.control() else {
-            return Ok(false);
-        };
-        let remote = control.remote;
-        let near = module.range.start.saturating_sub(super::AREA_SIZE);
+        let near = module.range.start.saturating_sub(super::areas::AREA_SIZE);
         let size = liveness::gate(remote, &plan.displaced, plan.resume, near)?
             .bytes
             .len() as u64;

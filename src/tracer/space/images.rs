@@ -12,7 +12,7 @@ use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
 use crate::sink::ModuleRecord;
 use crate::symbols::elf::ElfImage;
-use crate::unwind::MappedImage;
+use crate::trace_msg::MappedImage;
 use crate::unwind::tables::UnwindTable;
 
 /// An ELF image mapped in this space.

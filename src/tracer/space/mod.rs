@@ -1,18 +1,26 @@
 //! One address space of the target: its ELF images ([`images`]), the hooks
 //! planted in them ([`Hooks`]), the trampoline areas that serve the hooks
-//! ([`areas`]) and the stack buffers its threads copy their stacks into
-//! ([`buffers`]).
+//! ([`areas`]), and the state of its probe mode ([`probing`]): the stack
+//! buffers its threads copy their stacks into ([`buffers`]) or the control
+//! area of its jump probes ([`control`]).
 //!
 //! Code changes only through [`Hooks`]: every byte written over the
 //! program's code is put back by a detach or, in a forked child that is not
 //! traced, before the child runs. Areas and buffers are new mappings, made
 //! by running `mmap` in a stopped thread of the target, and go the same way.
+//!
+//! Here: what a space holds, how it follows the images, and how it goes.
+//! Hooking an image is [`plant`]'s; questions about addresses (which image,
+//! which area, how a thread leaves one) are [`lookup`]'s.
 
 pub mod areas;
 pub mod buffers;
 mod control;
 mod gate;
 pub mod images;
+mod lookup;
+mod plant;
+pub mod probing;
 mod retpaths;
 
 use std::collections::{BTreeMap, HashMap};
@@ -21,22 +29,19 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::inject;
-use super::probes::int3::{self, DISPLACED, INT3, SLOT_SIZE};
-use super::probes::jump::code::{self as probe_code, ProbeSpec};
+use super::probes::int3;
+use super::probes::jump::code as probe_code;
 use super::probes::jump::control::Control;
-use super::probes::jump::layout::{self, Called};
-use super::probes::jump::plan;
-use super::probes::{Hook, HookKind, Hooks, Probe};
-use crate::addr::Svma;
-use crate::event::{MapOp, Op};
-use crate::memory::Memory;
+use super::probes::jump::layout;
+use super::probes::{HookKind, Hooks};
 use crate::os::mem::CodeWriter;
-use crate::os::procfs::{self, Mapping};
-use crate::os::ptrace::{Regs, Tid};
+use crate::os::procfs;
+use crate::os::ptrace::Tid;
 use crate::unwind::tables;
-use areas::{AREA_SIZE, Areas, JUMP_AREA_SIZE};
-use buffers::{BUFFER_STRIDE, BUFFERS, COPY_ROUTINE, InCopy, StackBuffers};
+use areas::Areas;
+use buffers::StackBuffers;
 use images::{ImageMapping, LoadedModule};
+pub use probing::{Catch, ProbeInfo, Probing};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpaceError {
@@ -55,52 +60,6 @@ pub enum SpaceError {
     Probe(#[from] probe_code::AsmError),
     #[error(transparent)]
     Seccomp(#[from] crate::seccomp::Refusal),
-}
-
-/// How the calls of a space's allocator functions are caught.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Catch {
-    /// An int3 on each entry; `buffers`: threads copy their own stacks.
-    Int3 { buffers: bool },
-    /// A jump to a probe that records the call in the target, taking at
-    /// most `max_frames` return addresses; its probes count memptrace as
-    /// gone once its heartbeat is `alive_ticks` old (0: never; see
-    /// [`crate::tracer::probes::jump::liveness`]).
-    Jump { max_frames: u64, alive_ticks: u64 },
-}
-
-/// What the jump probes of a space need.
-pub struct Jumps {
-    /// The control area, once made (see [`Control`]).
-    pub control: Option<Control>,
-    /// Making it was tried.
-    tried: bool,
-    max_frames: u64,
-    alive_ticks: u64,
-    fsgsbase: bool,
-    /// What each probe serves, by its number.
-    pub probes: Vec<ProbeInfo>,
-}
-
-/// What a jump probe serves.
-#[derive(Clone, Debug)]
-pub struct ProbeInfo {
-    pub module_id: u64,
-    /// The names sharing the function's address (see `callsite`); none for
-    /// a mapping function.
-    pub ops: Vec<Op>,
-    /// The mapping function, for a mapping function's probe.
-    pub map: Option<MapOp>,
-}
-
-impl ProbeInfo {
-    /// Whether the probe records calls of `what`.
-    pub fn records(&self, what: Called) -> bool {
-        match what {
-            Called::Alloc(op) => self.map.is_none() && self.ops.first() == Some(&op),
-            Called::Map(op) => self.map == Some(op),
-        }
-    }
 }
 
 /// How one allocator (or, attached with jump probes, mapping) function was
@@ -136,18 +95,11 @@ pub struct Space {
     /// Mapped images by start address.
     pub modules: BTreeMap<u64, LoadedModule>,
     exe: Option<String>,
-    /// Where threads copy their own stacks, once set up.
-    pub buffers: Option<StackBuffers>,
-    /// The target's range of the buffers' shared mapping, to unmap at detach
-    /// (a forked child has one too, inherited, that it does not use).
+    /// The probe mode, and what it needs.
+    probing: Probing,
+    /// The target's range of the stack buffers' shared mapping, to unmap at
+    /// detach (a forked child has one too, inherited, that it does not use).
     shared: Option<Range<u64>>,
-    /// Setting the buffers up was tried (it is tried once per space).
-    buffers_tried: bool,
-    /// With jump probes: what they need.
-    pub jump: Option<Jumps>,
-    /// Why jump probes, asked for, do not record in this space (its calls
-    /// are caught by int3 probes).
-    fallback: Option<String>,
     /// Why a system call hooking needed was not made, the first time one
     /// was not (the thread's seccomp filter does not allow it).
     pub refused: Option<String>,
@@ -165,23 +117,6 @@ pub struct Space {
 impl Space {
     /// The space of process `pid`, its calls caught as `catch` says.
     pub fn new(pid: Tid, catch: Catch) -> io::Result<Space> {
-        let (buffers, jump) = match catch {
-            Catch::Int3 { buffers } => (buffers, None),
-            Catch::Jump {
-                max_frames,
-                alive_ticks,
-            } => (
-                false,
-                Some(Jumps {
-                    control: None,
-                    tried: false,
-                    max_frames,
-                    alive_ticks,
-                    fsgsbase: procfs::fsgsbase(pid),
-                    probes: Vec::new(),
-                }),
-            ),
-        };
         Ok(Space {
             pid,
             mem: CodeWriter::open(pid)?,
@@ -189,11 +124,8 @@ impl Space {
             areas: Areas::default(),
             modules: BTreeMap::new(),
             exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
-            buffers: None,
+            probing: Probing::new(catch, || procfs::fsgsbase(pid)),
             shared: None,
-            buffers_tried: !buffers,
-            jump,
-            fallback: None,
             refused: None,
             stub: None,
             return_rows: HashMap::new(),
@@ -201,18 +133,33 @@ impl Space {
         })
     }
 
-    /// The control area of the jump probes, if this space has one.
+    /// The control area of the jump probes, once made.
     pub fn control(&self) -> Option<&Control> {
-        self.jump.as_ref()?.control.as_ref()
+        self.probing.control()
     }
 
     pub fn control_mut(&mut self) -> Option<&mut Control> {
-        self.jump.as_mut()?.control.as_mut()
+        self.probing.control_mut()
+    }
+
+    /// The control area of the jump probes, once made, and what each probe
+    /// serves.
+    pub fn recording_mut(&mut self) -> Option<(&mut Control, &[ProbeInfo])> {
+        self.probing.recording_mut()
     }
 
     /// What jump probe `id` serves.
     pub fn probe_info(&self, id: u16) -> Option<&ProbeInfo> {
-        self.jump.as_ref()?.probes.get(usize::from(id))
+        self.probing.probe_info(id)
+    }
+
+    /// Where threads copy their own stacks (int3 probes), once set up.
+    pub fn buffers(&self) -> Option<&StackBuffers> {
+        self.probing.buffers()
+    }
+
+    pub fn buffers_mut(&mut self) -> Option<&mut StackBuffers> {
+        self.probing.buffers_mut()
     }
 
     /// The space of a child forked from this one (`pid`), which has copies of
@@ -252,29 +199,14 @@ impl Space {
             // the parent: it copies stacks the old way, and the mapping goes
             // with the trampoline pages. Its control area, likewise, is its
             // parent's until it gets one of its own (`adopt_control`).
-            buffers: None,
+            probing: self.probing.fork_copy(),
             shared: self.shared.clone(),
-            buffers_tried: true,
-            jump: self.jump.as_ref().map(|j| Jumps {
-                control: None,
-                tried: true,
-                max_frames: j.max_frames,
-                alive_ticks: j.alive_ticks,
-                fsgsbase: j.fsgsbase,
-                probes: j.probes.clone(),
-            }),
-            fallback: self.fallback.clone(),
             refused: None,
             // In the child's copy of the trampoline areas.
             stub: self.stub,
             return_rows: HashMap::new(),
             ahead: images::Ahead::default(),
         })
-    }
-
-    pub fn module_at(&self, addr: u64) -> Option<&LoadedModule> {
-        let (_, m) = self.modules.range(..=addr).next_back()?;
-        m.range.contains(&addr).then_some(m)
     }
 
     /// Re-read the memory map; hook images that appeared, forget those gone.
@@ -301,11 +233,9 @@ impl Space {
             }
         }
 
-        if let Some(jump) = self.jump.as_mut() {
+        if let Some(control) = self.probing.control_mut() {
             for module in &changes.removed {
-                if let Some(control) = jump.control.as_mut() {
-                    control.remove_image(module.range.start);
-                }
+                control.remove_image(module.range.start);
             }
         }
         for f in found {
@@ -328,7 +258,7 @@ impl Space {
                 Err(err) => changes.warnings.push(format!("{}: {err}", f.path)),
             }
         }
-        if !changes.added.is_empty() && self.jump.as_ref().is_some_and(|j| !j.tried) {
+        if !changes.added.is_empty() && self.probing.control_to_make() {
             if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
             {
                 let why = crate::error::with_causes(&err);
@@ -336,10 +266,10 @@ impl Space {
                     "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
                     self.pid
                 ));
-                self.fallback = Some(why);
+                self.probing.fall_back(why);
             }
         }
-        if let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) {
+        if let Some(control) = self.probing.control_mut() {
             for module in &changes.added {
                 let table = self
                     .ahead
@@ -359,9 +289,11 @@ impl Space {
                 changes.warnings.push(format!("{}: {err}", module.path));
             }
         }
-        if !self.buffers_tried && !self.areas.is_empty() {
-            self.buffers_tried = true;
-            if let Err(err) = self.set_up_buffers(tid, &mut changes.signals) {
+        if self.probing.buffers_to_make() && !self.areas.is_empty() {
+            let made = self.set_up_buffers(tid, &mut changes.signals);
+            let failed = made.as_ref().err().map(ToString::to_string);
+            self.probing.set_buffers(made.ok());
+            if let Some(err) = failed {
                 // The stop path copies stacks with process_vm_readv instead.
                 changes.warnings.push(format!(
                     "stacks are read with process_vm_readv, which costs more per call: {err}"
@@ -400,354 +332,6 @@ impl Space {
         Ok(Some(module))
     }
 
-    /// Make the stack buffers, shared between the target and memptrace
-    /// (see [`inject::shared_memory`]), and write the copy routine into a
-    /// free slot.
-    fn set_up_buffers(&mut self, tid: Tid, signals: &mut Vec<i32>) -> Result<(), SpaceError> {
-        let routine = self
-            .areas
-            .take_anywhere(SLOT_SIZE)
-            .ok_or_else(|| SpaceError::NoRoom("no free trampoline slot".into()))?;
-        let via = self
-            .via()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
-        let name = self.name_in_target(tid, signals)?;
-        let len = BUFFERS as u64 * BUFFER_STRIDE;
-        let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)
-            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
-        self.shared = Some(remote..remote + len);
-        self.mem.write(routine, &COPY_ROUTINE)?;
-        self.buffers = Some(StackBuffers::new(map, remote, routine));
-        Ok(())
-    }
-
-    fn hook(
-        &mut self,
-        tid: Tid,
-        module: &LoadedModule,
-        maps: &[Mapping],
-        changes: &mut Changes,
-    ) -> Result<(), SpaceError> {
-        let mut targets: Vec<(u64, HookKind)> = module
-            .image
-            .allocator_avmas(module.bias)
-            .map(|(avma, entry)| {
-                (
-                    avma.0,
-                    HookKind::Allocator {
-                        module_id: module.id,
-                        ops: entry.ops.clone(),
-                    },
-                )
-            })
-            .collect();
-        for (&svma, &op) in &module.image.mappings {
-            targets.push((module.bias.to_avma(Svma(svma)).0, HookKind::Mapping { op }));
-        }
-        if let Some(svma) = module.image.debug_state {
-            targets.push((module.bias.to_avma(svma).0, HookKind::DebugState));
-        }
-        let signals = &mut changes.signals;
-        let jumps = self.control().is_some();
-        // Attached with jump probes: no int3 where memptrace's death would
-        // make it fatal (see `tracer::failopen`).
-        let fail_open = jumps && self.jump.as_ref().is_some_and(|j| j.alive_ticks != 0);
-        for (addr, kind) in targets {
-            if self.hooks.contains(addr) {
-                continue;
-            }
-            match kind {
-                HookKind::Mapping { op } if fail_open => {
-                    let how = self.plant_jump(tid, module, maps, addr, kind, signals)?;
-                    changes.planted.push(Planted {
-                        module: module.path.clone(),
-                        ops: vec![op.name()],
-                        how,
-                    });
-                }
-                HookKind::DebugState
-                    if fail_open && self.plant_gate(tid, module, maps, addr, signals)? => {}
-                HookKind::Allocator { ref ops, .. } if jumps => {
-                    let names = ops.iter().map(|op| op.name()).collect();
-                    let how = self.plant_jump(tid, module, maps, addr, kind, signals)?;
-                    changes.planted.push(Planted {
-                        module: module.path.clone(),
-                        ops: names,
-                        how,
-                    });
-                }
-                HookKind::Allocator { ref ops, .. } => {
-                    let how = match &self.fallback {
-                        Some(why) => format!("int3: {why}"),
-                        None => "int3".into(),
-                    };
-                    changes.planted.push(Planted {
-                        module: module.path.clone(),
-                        ops: ops.iter().map(|op| op.name()).collect(),
-                        how,
-                    });
-                    self.plant_int3(tid, module, maps, addr, kind, signals)?;
-                }
-                HookKind::Mapping { .. } | HookKind::DebugState => {
-                    self.plant_int3(tid, module, maps, addr, kind, signals)?
-                }
-            }
-        }
-        if fail_open {
-            self.publish_return_paths();
-        }
-        Ok(())
-    }
-
-    /// A jump probe on the allocator function at `addr` (`kind`): a jump to
-    /// it where that is safe, else an int3 that memptrace turns into the
-    /// same. On a mapping function (attach only, see `tracer::failopen`),
-    /// a jump or nothing: its calls are then not recorded. Says which.
-    fn plant_jump(
-        &mut self,
-        tid: Tid,
-        module: &LoadedModule,
-        maps: &[Mapping],
-        addr: u64,
-        kind: HookKind,
-        signals: &mut Vec<i32>,
-    ) -> Result<String, SpaceError> {
-        let (what, ops, map) = match &kind {
-            HookKind::Allocator { ops, .. } => (Called::Alloc(ops[0]), ops.clone(), None),
-            HookKind::Mapping { op } => (Called::Map(*op), Vec::new(), Some(*op)),
-            HookKind::DebugState => return Ok("none".into()),
-        };
-        const SCAN: u64 = 512;
-        let mut code = vec![0u8; SCAN.min(module.range.end.saturating_sub(addr)) as usize];
-        let n = self.mem.read(addr, &mut code)?;
-        code.truncate(n);
-        if code.first() == Some(&INT3) {
-            // Someone else's breakpoint: displacing it would change what the
-            // program does.
-            return Ok("none: the entry is an int3 already".into());
-        }
-        let plan = plan::plan(&code, addr);
-        if let (Some(_), Some(why)) = (map, &plan.int3) {
-            return Ok(format!(
-                "none: {why} (an int3 would kill the process if memptrace died; its calls are not recorded)"
-            ));
-        }
-        let jump = self.jump.as_ref().expect("jump probes");
-        let control = jump.control.as_ref().expect("a control area");
-        let spec = ProbeSpec {
-            id: jump.probes.len() as u16,
-            what,
-            control: control.remote,
-            displaced: plan.displaced.clone(),
-            resume: plan.resume,
-            max_frames: jump.max_frames,
-            fsgsbase: jump.fsgsbase,
-        };
-        // Its size, assembled near where it will go, with room for branches
-        // that come out longer there.
-        let near = module.range.start.saturating_sub(AREA_SIZE);
-        let room = (probe_code::probe(&spec, near)?.bytes.len() as u64 + 64).next_multiple_of(16);
-        let at = self.room_near(tid, module, maps, room, signals)?;
-        let probe = probe_code::probe(&spec, at)?;
-        if probe.bytes.len() as u64 > room {
-            return Err(SpaceError::NoRoom(format!(
-                "{}: the probe grew",
-                module.path
-            )));
-        }
-        let patch_len = if plan.is_jump() { plan::JUMP_LEN } else { 1 };
-        let mut orig = vec![0u8; patch_len as usize];
-        self.mem.read_exact(plan.at, &mut orig)?;
-        // The probe first, then the patch: a thread never reaches a patch
-        // whose probe is not ready.
-        self.mem.write(at, &probe.bytes)?;
-        let hook = Hook {
-            addr: plan.at,
-            orig,
-            probe: Probe::Jump {
-                code: probe,
-                via_int3: !plan.is_jump(),
-            },
-            kind,
-        };
-        self.hooks.plant(&self.mem, hook)?;
-        let jump = self.jump.as_mut().expect("jump probes");
-        if map.is_some() {
-            if let Some(control) = jump.control.as_mut() {
-                control.maps = true;
-            }
-        }
-        jump.probes.push(ProbeInfo {
-            module_id: module.id,
-            ops,
-            map,
-        });
-        Ok(match plan.int3 {
-            None => "jump".into(),
-            Some(why) => format!("int3: {why}"),
-        })
-    }
-
-    fn plant_int3(
-        &mut self,
-        tid: Tid,
-        module: &LoadedModule,
-        maps: &[Mapping],
-        addr: u64,
-        kind: HookKind,
-        signals: &mut Vec<i32>,
-    ) -> Result<(), SpaceError> {
-        let mut code = [0u8; 16];
-        self.mem.read_exact(addr, &mut code)?;
-        if code[0] == INT3 {
-            // Someone else's breakpoint (or a function that starts with int3):
-            // displacing it would change what the program does.
-            return Ok(());
-        }
-        let slot = self.room_near(tid, module, maps, SLOT_SIZE, signals)?;
-        let (bytes, displaced) =
-            int3::slot_code(&code, addr, slot).map_err(|source| SpaceError::Relocate {
-                path: module.path.clone(),
-                source,
-            })?;
-        // The slot first, then the int3: a thread never reaches an int3 whose
-        // slot is not ready.
-        self.mem.write(slot, &bytes)?;
-        let hook = Hook {
-            addr,
-            orig: vec![code[0]],
-            probe: Probe::Int3 {
-                resume_at: slot + DISPLACED,
-                stub: slot,
-                displaced,
-            },
-            kind,
-        };
-        self.hooks.plant(&self.mem, hook)?;
-        Ok(())
-    }
-
-    /// `len` bytes of trampoline area within reach of `module`, mapping a
-    /// new area next to it when none has room.
-    fn room_near(
-        &mut self,
-        tid: Tid,
-        module: &LoadedModule,
-        maps: &[Mapping],
-        len: u64,
-        signals: &mut Vec<i32>,
-    ) -> Result<u64, SpaceError> {
-        if let Some(at) = self.areas.take(len, &module.range) {
-            return Ok(at);
-        }
-        let via = self.via().ok_or_else(|| {
-            SpaceError::NoRoom("no syscall instruction to map a page with".into())
-        })?;
-        let size = if self.jump.is_some() {
-            JUMP_AREA_SIZE
-        } else {
-            AREA_SIZE
-        }
-        .max(len.next_multiple_of(AREA_SIZE));
-        let candidates = areas::place_area(
-            maps,
-            &module.range,
-            procfs::mmap_min_addr(),
-            module.is_main,
-            size,
-        );
-        for addr in candidates {
-            match inject::map_code(tid, via, addr, size) {
-                Ok(done) => {
-                    signals.extend(done.signals);
-                    if done.value != addr {
-                        continue;
-                    }
-                    self.areas.add(addr, size, len);
-                    self.place_stub()?;
-                    return Ok(addr);
-                }
-                Err(inject::InjectError::Errno(libc::EEXIST)) => continue,
-                Err(err) => return Err(err.into()),
-            }
-        }
-        Err(SpaceError::NoRoom(module.path.clone()))
-    }
-
-    /// Move a thread stopped with `regs` out of the trampoline areas, to the
-    /// same place in the original code (see [`Hooks::leave`]); from the copy
-    /// routine, to where the routine would have gone on. `Some(false)` when
-    /// the thread is in no area, `Some(true)` when `regs` changed, `None`
-    /// when it is somewhere in an area that cannot be mapped back.
-    pub fn leave_areas(&self, regs: &mut Regs) -> Option<bool> {
-        if !self.areas.contains(regs.rip) {
-            return Some(false);
-        }
-        self.leave_copy(regs)?;
-        match self.hooks.leave(regs, &self.mem)? {
-            true => Some(true),
-            false => None,
-        }
-    }
-
-    /// The address of a `pop` + `ret` pair in the program's own code (see
-    /// [`int3::pop_ret`]): where a call still running through a stub is
-    /// sent to return once the trampoline pages are gone.
-    pub fn pop_ret(&self) -> Option<u64> {
-        const CHUNK: u64 = 64 << 10;
-        for module in self.modules.values() {
-            let Some(text) = &module.image.text else {
-                continue;
-            };
-            let start = module.bias.to_avma(Svma(text.start)).0;
-            let end = module.bias.to_avma(Svma(text.end)).0;
-            let mut at = start;
-            let mut buf = vec![0u8; CHUNK as usize + 1];
-            while at < end {
-                let len = (end - at).min(CHUNK + 1) as usize;
-                if self.mem.read_exact(at, &mut buf[..len]).is_err() {
-                    break;
-                }
-                if let Some(offset) = int3::pop_ret(&buf[..len]) {
-                    return Some(at + offset as u64);
-                }
-                at += CHUNK;
-            }
-        }
-        None
-    }
-
-    /// Move a thread stopped with `regs` in the copy routine to where the
-    /// routine would have jumped, as if its copy were done: `Some(true)`
-    /// when it was there, `Some(false)` when not, `None` when its
-    /// continuation cannot be read.
-    pub fn leave_copy(&self, regs: &mut Regs) -> Option<bool> {
-        match self.in_copy(regs.rip) {
-            Some(InCopy::Rax) => regs.rip = regs.rax,
-            Some(InCopy::Stack) => {
-                regs.rip = self.mem.read_u64(regs.rsp).ok()?;
-                regs.rsp += 8;
-            }
-            None => return Some(false),
-        }
-        Some(true)
-    }
-
-    /// The trampoline areas' address ranges.
-    pub fn area_ranges(&self) -> Vec<Range<u64>> {
-        self.areas.ranges().collect()
-    }
-
-    /// True when `rip` lies in one of the trampoline areas.
-    pub fn in_areas(&self, rip: u64) -> bool {
-        self.areas.contains(rip)
-    }
-
-    /// Where a thread at `rip` stands in the copy routine, if it is there.
-    pub fn in_copy(&self, rip: u64) -> Option<InCopy> {
-        buffers::in_copy(rip, self.buffers.as_ref()?.routine)
-    }
-
     /// Unmap every trampoline area, running munmap in the stopped thread
     /// `tid`. Call only when no hook is planted and no thread is in an area
     /// or will return into a stub. Returns signals that arrived meanwhile,
@@ -756,11 +340,8 @@ impl Space {
         let signals = self.unmap_areas_in(tid)?;
         self.areas.clear();
         self.stub = None;
-        self.buffers = None;
         self.shared = None;
-        if let Some(jump) = self.jump.as_mut() {
-            jump.control = None;
-        }
+        self.probing.unmapped();
         Ok(signals)
     }
 
@@ -795,37 +376,6 @@ impl Space {
             signals.extend(done.signals);
         }
         Ok(signals)
-    }
-
-    /// How an injected call enters the kernel in this space: through the
-    /// stub once there is one.
-    pub(super) fn via(&self) -> Option<inject::Via> {
-        Some(inject::Via {
-            insn: self.syscall_insn()?,
-            stub: self.stub,
-        })
-    }
-
-    /// Write the stub into the trampoline areas, once there are some.
-    fn place_stub(&mut self) -> Result<(), SpaceError> {
-        if self.stub.is_some() {
-            return Ok(());
-        }
-        let Some(stub) = inject::stub::code() else {
-            return Ok(());
-        };
-        let Some(at) = self.areas.take_anywhere(stub.len()) else {
-            return Ok(());
-        };
-        self.mem.write(at, &stub.code)?;
-        self.stub = Some((at, at + stub.save));
-        Ok(())
-    }
-
-    fn syscall_insn(&self) -> Option<u64> {
-        self.modules
-            .values()
-            .find_map(|m| m.image.syscall_insn.map(|s| m.bias.to_avma(s).0))
     }
 
     /// Put every original byte back, the probes still known (to move

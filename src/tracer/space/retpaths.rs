@@ -27,7 +27,7 @@ impl Space {
             })
             .collect();
         returns.sort_unstable();
-        let Some(control) = self.jump.as_mut().and_then(|j| j.control.as_mut()) else {
+        let Some(control) = self.probing.control_mut() else {
             return;
         };
         for area in areas {
