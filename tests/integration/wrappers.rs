@@ -302,36 +302,44 @@ fn leaks_from_main(t: &Trace) -> Vec<(Vec<String>, i64)> {
 /// same stack from there out, whether the C library is a module of its own
 /// (dynamic) or linked into the program (static, static-pie): in
 /// `call_sites` and in the report. (musl: see the next test.)
+/// The `clib` tracee's calls as it states them: each C-library call's
+/// blocks charged to the tracee's function that made it (call sites, the
+/// report's callers), and its leaks with `stacks` from there to `main`.
+/// Returns the leaks, sizes included, to compare builds.
+fn charged_to_callers(t: &Trace, what: &str, stacks: &[[&str; 2]]) -> Vec<(Vec<String>, i64)> {
+    assert_eq!(t.run.code(), 0, "{what}: {}", t.run.stderr);
+    let stated = sites(&t.run.stdout);
+    assert_eq!(stated.len(), stacks.len(), "{what}: {stated:?}");
+    assert_sites(&by_call_site(t), &stated, what);
+    let c = callers(&report_json(&t.path, &[]));
+    for ((function, _), (calls, _)) in &stated {
+        assert_eq!(
+            c.get(function).map(|c| c.0),
+            Some(*calls as u64),
+            "{what}: {c:#?}"
+        );
+    }
+    let leaks = leaks_from_main(t);
+    let found: Vec<Vec<&str>> = leaks
+        .iter()
+        .map(|(s, _)| s.iter().map(String::as_str).collect())
+        .collect();
+    assert_eq!(found, stacks, "{what}: {leaks:?}");
+    leaks
+}
+
 #[test]
 fn c_library_calls_are_charged_alike_static_and_dynamic() {
     let mut builds = Vec::new();
     for variant in [Variant::Dynamic, Variant::Static, Variant::StaticPie] {
-        let t = trace(variant, "clib", &[], &[]);
-        assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
-        let stated = sites(&t.run.stdout);
-        assert_eq!(stated.len(), 3, "{variant:?}");
-        assert_sites(&by_call_site(&t), &stated, variant.name());
-        let c = callers(&report_json(&t.path, &[]));
-        for ((function, _), (calls, _)) in &stated {
-            assert_eq!(
-                c.get(function).map(|c| c.0),
-                Some(*calls as u64),
-                "{variant:?}: {c:#?}"
-            );
-        }
-        let leaks = leaks_from_main(&t);
-        let stacks: Vec<Vec<&str>> = leaks
-            .iter()
-            .map(|(s, _)| s.iter().map(String::as_str).collect())
-            .collect();
-        assert_eq!(
-            stacks,
-            [
+        let leaks = charged_to_callers(
+            &trace(variant, "clib", &[], &[]),
+            variant.name(),
+            &[
                 ["copy_name", "main"],
                 ["open_self", "main"],
-                ["say_hello", "main"]
+                ["say_hello", "main"],
             ],
-            "{variant:?}: {leaks:?}"
         );
         builds.push((variant, leaks));
     }
@@ -352,28 +360,10 @@ fn c_library_calls_are_charged_alike_static_and_dynamic() {
 fn musl_c_library_calls_are_charged_to_their_callers() {
     let mut builds = Vec::new();
     for name in ["clib", "clib-dynamic"] {
-        let t = trace(Variant::Musl, name, &[], &[]);
-        assert_eq!(t.run.code(), 0, "{name}: {}", t.run.stderr);
-        let stated = sites(&t.run.stdout);
-        assert_eq!(stated.len(), 2, "{name}: {stated:?}");
-        assert_sites(&by_call_site(&t), &stated, name);
-        let c = callers(&report_json(&t.path, &[]));
-        for ((function, _), (calls, _)) in &stated {
-            assert_eq!(
-                c.get(function).map(|c| c.0),
-                Some(*calls as u64),
-                "{name}: {c:#?}"
-            );
-        }
-        let leaks = leaks_from_main(&t);
-        let stacks: Vec<Vec<&str>> = leaks
-            .iter()
-            .map(|(s, _)| s.iter().map(String::as_str).collect())
-            .collect();
-        assert_eq!(
-            stacks,
-            [["copy_name", "main"], ["open_self", "main"]],
-            "{name}"
+        let leaks = charged_to_callers(
+            &trace(Variant::Musl, name, &[], &[]),
+            name,
+            &[["copy_name", "main"], ["open_self", "main"]],
         );
         builds.push(leaks);
     }
