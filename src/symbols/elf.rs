@@ -145,6 +145,12 @@ pub struct ElfImage {
     /// SVMA of some `syscall` instruction bytes (0f 05) in executable code, for
     /// running a system call in the target.
     pub syscall_insn: Option<Svma>,
+    /// SVMA range of the widest page padding after an executable segment:
+    /// bytes mapped with the code (the rest of its last page) that belong to
+    /// no segment, so nothing runs or reads them. memptrace writes a stub
+    /// there for the few injected system calls that cannot go through one
+    /// in a trampoline area (`tracer::inject`), and puts the bytes back.
+    pub code_padding: Option<Range<u64>>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -260,6 +266,7 @@ impl ElfImage {
                 .collect(),
             got_slots: BTreeMap::new(),
             syscall_insn: None,
+            code_padding: code_padding(&elf),
         };
         if let Some(eh) = &image.eh_frame {
             let text = image.text.as_ref().map(|t| t.start);
@@ -487,6 +494,49 @@ pub(crate) fn build_id(elf: &Elf, bytes: &[u8]) -> Option<String> {
     None
 }
 
+/// The widest padding after an executable `PT_LOAD` segment to the end of
+/// its last page, where no other segment is mapped (see
+/// [`ElfImage::code_padding`]).
+fn code_padding(elf: &Elf) -> Option<Range<u64>> {
+    const PAGE: u64 = 4096;
+    let loads: Vec<(u64, u64)> = elf
+        .program_headers
+        .iter()
+        .filter(|ph| ph.p_type == program_header::PT_LOAD)
+        .filter_map(|ph| {
+            let end = ph.p_vaddr.checked_add(ph.p_memsz.max(ph.p_filesz))?;
+            Some((ph.p_vaddr, end))
+        })
+        .collect();
+    let mut best: Option<Range<u64>> = None;
+    for ph in elf.program_headers.iter() {
+        if ph.p_type != program_header::PT_LOAD || ph.p_flags & program_header::PF_X == 0 {
+            continue;
+        }
+        let Some(end) = ph.p_vaddr.checked_add(ph.p_memsz.max(ph.p_filesz)) else {
+            continue;
+        };
+        let Some(page_end) = end.checked_next_multiple_of(PAGE) else {
+            continue;
+        };
+        // Another segment's pages over the padding replace it when mapped.
+        let shared = loads.iter().any(|&(start, stop)| {
+            start != ph.p_vaddr
+                && start / PAGE * PAGE < page_end
+                && stop.checked_next_multiple_of(PAGE).unwrap_or(u64::MAX) > end
+        });
+        if !shared
+            && page_end > end
+            && best
+                .as_ref()
+                .is_none_or(|b| page_end - end > b.end - b.start)
+        {
+            best = Some(end..page_end);
+        }
+    }
+    best
+}
+
 fn find_syscall_insn(elf: &Elf, bytes: &[u8]) -> Option<Svma> {
     for ph in elf.program_headers.iter() {
         if ph.p_type != program_header::PT_LOAD || ph.p_flags & program_header::PF_X == 0 {
@@ -528,6 +578,12 @@ mod tests {
         assert_eq!(memalign.ops, vec![Op::Memalign, Op::AlignedAlloc]);
         assert!(libc.build_id.as_ref().is_some_and(|id| id.len() == 40));
         assert!(libc.syscall_insn.is_some());
+        let padding = libc
+            .code_padding
+            .clone()
+            .expect("libc's code ends inside a page");
+        assert!(padding.start < padding.end && padding.end % 4096 == 0);
+        assert!(padding.end - padding.start < 4096);
         assert!(libc.eh_frame_hdr.is_some());
     }
 

@@ -3,6 +3,10 @@
 //! kind (debug builds only):
 //! - `MEMPTRACE_DIE_IN_CALL=n`: a moment at which a thread holds an
 //!   injected system call's registers (three per call, see `inject`);
+//! - `MEMPTRACE_DIE_IN_LENT_STUB=n`: such a moment of a call that runs
+//!   through a copy of the stub lent to page padding (the first call of an
+//!   attach, moments 1-3, and the detach's last, which unmaps the stub's
+//!   area);
 //! - `MEMPTRACE_DIE_IN_DETACH=n`: a moment of the detach's way out of the
 //!   jump probes: every thread stopped, the probes' entries put back (the
 //!   first), threads let run out of the probes' code, stopped again. So
@@ -43,7 +47,13 @@ mod knobs {
 
     static CALL: Knob = Knob::new("MEMPTRACE_DIE_IN_CALL");
     static DETACH: Knob = Knob::new("MEMPTRACE_DIE_IN_DETACH");
+    static LENT: Knob = Knob::new("MEMPTRACE_DIE_IN_LENT_STUB");
     static DETACHING: AtomicBool = AtomicBool::new(false);
+    static LENDING: AtomicBool = AtomicBool::new(false);
+
+    pub fn lending(on: bool) {
+        LENDING.store(on, Ordering::Relaxed);
+    }
 
     pub fn detaching() {
         DETACHING.store(true, Ordering::Relaxed);
@@ -51,6 +61,9 @@ mod knobs {
 
     pub fn in_call() {
         CALL.count();
+        if LENDING.load(Ordering::Relaxed) {
+            LENT.count();
+        }
         if DETACHING.load(Ordering::Relaxed) {
             DETACH.count();
         }
@@ -68,6 +81,7 @@ mod knobs {
 #[cfg(not(debug_assertions))]
 mod knobs {
     pub fn detaching() {}
+    pub fn lending(_: bool) {}
     pub fn in_call() {}
     pub fn in_detach() {}
     pub fn wants_threads_in_probes() -> bool {
@@ -81,5 +95,7 @@ pub(super) use knobs::detaching;
 pub(super) use knobs::in_call;
 /// A moment of the detach.
 pub(super) use knobs::in_detach;
+/// Calls run through a stub lent to page padding (`true`), or no longer.
+pub(super) use knobs::lending;
 /// The detach is to find a thread in a probe's code.
 pub(super) use knobs::wants_threads_in_probes;

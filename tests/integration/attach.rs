@@ -22,6 +22,41 @@ pub fn trampoline_pages(pid: i32) -> Vec<String> {
         .collect()
 }
 
+/// The executable mappings of files in process `pid` whose bytes differ
+/// from their file's (past the file's end, from zero): a probe's jump or
+/// breakpoint, or the stub lent to page padding, left behind.
+pub fn code_unlike_files(pid: i32) -> Vec<String> {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut unlike = Vec::new();
+    for line in maps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 6 || !fields[1].contains('x') || !fields[5].starts_with('/') {
+            continue;
+        }
+        let (start, end) = fields[0].split_once('-').unwrap();
+        let start = u64::from_str_radix(start, 16).unwrap();
+        let end = u64::from_str_radix(end, 16).unwrap();
+        let offset = u64::from_str_radix(fields[2], 16).unwrap();
+        let mut live = vec![0u8; (end - start) as usize];
+        mem.read_exact_at(&mut live, start).unwrap();
+        let mut file = vec![0u8; live.len()];
+        let f = std::fs::File::open(fields[5]).unwrap();
+        let mut done = 0;
+        while done < file.len() {
+            match f.read_at(&mut file[done..], offset + done as u64).unwrap() {
+                0 => break,
+                n => done += n,
+            }
+        }
+        if let Some(at) = live.iter().zip(&file).position(|(a, b)| a != b) {
+            unlike.push(format!("{} at {:#x}", fields[5], start + at as u64));
+        }
+    }
+    unlike
+}
+
 /// Allocator calls (not inventory) committed to a trace being written.
 pub fn calls_committed(db: &std::path::Path) -> i64 {
     let open =
@@ -172,6 +207,11 @@ fn cycles(variant: Variant) {
         // Gone without a trace: no tracer, no trampoline page.
         assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
         assert_eq!(trampoline_pages(pid), Vec::<String>::new(), "cycle {cycle}");
+        assert_eq!(
+            code_unlike_files(pid),
+            Vec::<String>::new(),
+            "cycle {cycle}"
+        );
         let state = proc_status(pid, "State").unwrap();
         assert!(
             state.starts_with('S') || state.starts_with('R'),

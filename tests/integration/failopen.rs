@@ -202,9 +202,10 @@ fn in_tracing_stop(pid: i32, tid: i32) -> bool {
 /// death kills the process anyway (said at the attach).
 ///
 /// The first call of an attach (k = 1 to 3), which maps the stub's page,
-/// and the last of a detach, which unmaps it, go through the program's own
-/// `syscall` instruction; a death there is not survived, nor one during a
-/// detach while a thread stands at a SIGTRAP stop (docs/design.md).
+/// runs through a copy of the stub lent to page padding after the program's
+/// code (see the next test for that and for the detach's last call). A
+/// death during a detach while a thread stands at a SIGTRAP stop is not
+/// survived (docs/design.md).
 #[test]
 fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
     let dir = tracee(Variant::Dynamic, "failopen")
@@ -212,7 +213,7 @@ fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
         .unwrap()
         .to_path_buf();
     // The attach of this tracee injects six calls (18 moments).
-    for k in [4, 5, 6, 8, 13, 17] {
+    for k in [1, 2, 3, 4, 5, 6, 8, 13, 17] {
         let mut target = Background::interactive(
             Command::new(dir.join("failopen"))
                 .arg(dir.join("libplugin.so"))
@@ -231,6 +232,40 @@ fn sigkill_of_memptrace_while_it_runs_a_system_call_in_the_process() {
         let end = target.finish();
         assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stderr);
         assert!(end.stdout.contains("tracer 0"), "k = {k}: {}", end.stdout);
+        assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+    }
+}
+
+/// SIGKILL of memptrace during the two calls that cannot go through the
+/// stub in the trampoline area: the attach's first, which maps that area
+/// (k = 1 to 3: the call set up, at its entry, at its exit), and the
+/// detach's last, which unmaps it (k = 4 to 6). Both run through a copy of
+/// the stub lent to the page padding after an image's code
+/// (`MEMPTRACE_DIE_IN_LENT_STUB=k` counts only their moments): the thread
+/// left with the call's registers runs the call, puts its own registers
+/// back and goes on. In either probe mode: no probe is planted yet at the
+/// first call, and none is left at the last. The victim's 8 threads
+/// allocate all the time and check every block.
+#[test]
+fn sigkill_of_memptrace_in_the_first_or_last_injected_call() {
+    for k in 1..=6 {
+        let mut victim =
+            Background::start(Command::new(tracee(Variant::Dynamic, "victim")).arg("8"));
+        let pid: i32 = victim.wait_for("ready").parse().unwrap();
+        let db = scratch(&format!("failopen-lent-{k}")).join("trace.db");
+        let tracer = Background::start(
+            memptrace()
+                .env("MEMPTRACE_DIE_IN_LENT_STUB", k.to_string())
+                .args(["attach", &pid.to_string(), "--duration", "1", "-o"])
+                .arg(&db),
+        );
+        killed_at(tracer, pid, k);
+        // Running on for a while untraced.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        victim.signal(libc::SIGTERM);
+        let end = victim.finish();
+        assert_eq!(end.stderr, "", "k = {k}: the victim found damage");
+        assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stdout);
         assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
     }
 }

@@ -7,20 +7,25 @@
 //! running meanwhile, see nothing. A signal that arrives meanwhile is kept
 //! and handed back to the caller to deliver afterwards.
 //!
-//! The first call in a process (the trampoline area that holds the
-//! [`stub`]) goes through a `syscall` instruction of the program's own code.
-//! Every later call goes through the stub, after which the thread puts
-//! itself back: a memptrace killed in the middle of such a call (SIGKILL,
-//! the OOM killer) leaves the thread running on as if nothing happened. The
-//! last call, which unmaps the stub's own area at detach, goes through the
-//! program's instruction again. No call leaves the trap flag set (no single
-//! step), which a thread let go by a dead tracer would die of.
+//! Every call goes through the [`stub`], after which the thread puts itself
+//! back: a memptrace killed in the middle of a call (SIGKILL, the OOM
+//! killer) leaves the thread running on as if nothing happened. The stub
+//! lives in a trampoline area; the first call in a process, which maps that
+//! area, and the last, which unmaps it at detach, run through a copy lent
+//! for the call to the page padding after an image's code ([`through_stub_at`]):
+//! bytes mapped with the code that no segment owns, put back afterwards.
+//! Only where no image has padding wide enough does a call go through a
+//! `syscall` instruction of the program's own code, and a death in its tens
+//! of microseconds would leave the thread on with the call's registers. No
+//! call leaves the trap flag set (no single step), which a thread let go by
+//! a dead tracer would die of.
 
 pub mod stub;
 
 use std::io;
 use std::time::{Duration, Instant};
 
+use crate::memory::Memory;
 use crate::os::mem::CodeWriter;
 use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Stop, SyscallStop, Tid};
@@ -222,6 +227,44 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
         value: result,
         signals,
     })
+}
+
+/// Run `call` through a copy of the [`stub`] written at `at` (page padding
+/// after an image's code, in the process of `tid`) for the time of the
+/// call, and put the bytes that were there back afterwards, however the call
+/// went. Where the copy cannot be written, `call` goes through `via`'s own
+/// instruction.
+pub fn through_stub_at<T>(
+    tid: Tid,
+    at: u64,
+    via: Via,
+    call: impl FnOnce(Via) -> Result<T, InjectError>,
+) -> Result<T, InjectError> {
+    let Some(stub) = stub::code() else {
+        return call(via.own());
+    };
+    let Ok(mem) = CodeWriter::open(tid) else {
+        return call(via.own());
+    };
+    let mut original = vec![0u8; stub.code.len()];
+    if mem.read_exact(at, &mut original).is_err() {
+        return call(via.own());
+    }
+    if mem.write(at, &stub.code).is_err() {
+        let _ = mem.write(at, &original);
+        return call(via.own());
+    }
+    let lent = Via {
+        insn: via.insn,
+        stub: Some((at, at + stub.save)),
+    };
+    super::dying::lending(true);
+    let done = call(lent);
+    super::dying::lending(false);
+    // The thread is out of the stub (its registers are its own again, or it
+    // is gone): nothing runs these bytes now.
+    let _ = mem.write(at, &original);
+    done
 }
 
 /// The registers a thread stopped with `regs` goes on with: the same, but

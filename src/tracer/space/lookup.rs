@@ -10,7 +10,8 @@ use super::buffers::{self, InCopy};
 use super::images::LoadedModule;
 use crate::addr::Svma;
 use crate::memory::Memory;
-use crate::os::ptrace::Regs;
+use crate::os::procfs;
+use crate::os::ptrace::{Regs, Tid};
 use crate::tracer::inject;
 use crate::tracer::probes::int3;
 
@@ -103,6 +104,50 @@ impl Space {
         })
     }
 
+    /// Run `call` in the stopped thread `tid` through a stub: the one in
+    /// the trampoline areas, or, before there is one (and for the call that
+    /// unmaps it), a copy lent to page padding ([`inject::through_stub_at`]);
+    /// through the program's own instruction only where neither exists.
+    pub(super) fn through_a_stub<T>(
+        &self,
+        tid: Tid,
+        via: inject::Via,
+        call: impl FnOnce(inject::Via) -> Result<T, inject::InjectError>,
+    ) -> Result<T, inject::InjectError> {
+        if via.stub.is_some() {
+            return call(via);
+        }
+        match inject::stub::code().and_then(|stub| self.padding_room(tid, stub.len())) {
+            Some(at) => inject::through_stub_at(tid, at, via, call),
+            None => call(via),
+        }
+    }
+
+    /// Where the process of `tid` has `len` bytes of page padding after an
+    /// image's code (see [`crate::symbols::elf::ElfImage::code_padding`]),
+    /// 16-aligned, in an executable mapping of the image's file: room to lend
+    /// the stub to a call made before there is a trampoline area or after it
+    /// is gone.
+    pub(super) fn padding_room(&self, tid: Tid, len: u64) -> Option<u64> {
+        let pid = procfs::tgid(tid).unwrap_or(tid);
+        let maps = procfs::read_maps(pid).ok()?;
+        self.modules.values().find_map(|m| {
+            let padding = m.image.code_padding.as_ref()?;
+            let start = m
+                .bias
+                .to_avma(Svma(padding.start))
+                .0
+                .checked_next_multiple_of(16)?;
+            let end = m.bias.to_avma(Svma(padding.end)).0;
+            let stop = start.checked_add(len).filter(|&stop| stop <= end)?;
+            maps.iter()
+                .any(|map| {
+                    map.exec && map.inode == m.inode && map.start <= start && stop <= map.end
+                })
+                .then_some(start)
+        })
+    }
+
     fn syscall_insn(&self) -> Option<u64> {
         self.modules
             .values()
@@ -117,8 +162,7 @@ mod tests {
     use super::super::images;
     use super::*;
     use crate::event::Op;
-    use crate::os::procfs;
-    use crate::os::ptrace::{Tid, zeroed_regs};
+    use crate::os::ptrace::zeroed_regs;
     use crate::tracer::probes::int3::{DISPLACED, RETURN_INT3, SLOT_SIZE};
     use crate::tracer::probes::{Hook, HookKind, Probe};
 
@@ -193,6 +237,32 @@ mod tests {
         let at = space.pop_ret().expect("libc has a pop + ret");
         assert!(libc.range.contains(&at));
         assert_eq!(int3::pop_ret(&read(&space, at, 2)), Some(0));
+    }
+
+    #[test]
+    fn lends_the_stub_the_padding_after_libcs_code() {
+        let (space, libc) = with_libc();
+        let tid = std::process::id() as Tid;
+        let len = inject::stub::code().expect("the stub assembles").len();
+        let at = space
+            .padding_room(tid, len)
+            .expect("libc's code page has room");
+        assert_eq!(at % 16, 0);
+        assert!(libc.range.contains(&at) && libc.range.contains(&(at + len - 1)));
+        // Past the end of libc's executable segment, within its last page.
+        let padding = libc.image.code_padding.clone().unwrap();
+        let (start, end) = (
+            libc.bias.to_avma(Svma(padding.start)).0,
+            libc.bias.to_avma(Svma(padding.end)).0,
+        );
+        assert!(start <= at && at + len <= end && end % 4096 == 0);
+        let maps = procfs::read_maps(space.pid).unwrap();
+        assert!(
+            maps.iter()
+                .any(|m| m.exec && m.start <= at && at + len <= m.end && m.inode == libc.inode)
+        );
+        // Room for no more than the padding holds.
+        assert_eq!(space.padding_room(tid, end - start + 1), None);
     }
 
     #[test]

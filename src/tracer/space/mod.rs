@@ -347,8 +347,8 @@ impl Space {
 
     /// Unmap the trampoline areas in the process of the stopped thread `tid`:
     /// this one, or a forked copy of it, which has the same areas. The area
-    /// that holds the stub goes last, through the program's own `syscall`
-    /// instruction (see [`inject`]).
+    /// that holds the stub goes last, through a copy of the stub lent to page
+    /// padding (see [`inject`]).
     pub fn unmap_areas_in(&self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
         let via = self
             .via()
@@ -367,12 +367,14 @@ impl Space {
         ranges.sort_by_key(|r| holds_stub(r));
         for range in ranges {
             let via = if holds_stub(&range) { via.own() } else { via };
-            let done = inject::syscall(
-                tid,
-                via,
-                libc::SYS_munmap as u64,
-                [range.start, range.end - range.start, 0, 0, 0, 0],
-            )?;
+            let done = self.through_a_stub(tid, via, |via| {
+                inject::syscall(
+                    tid,
+                    via,
+                    libc::SYS_munmap as u64,
+                    [range.start, range.end - range.start, 0, 0, 0, 0],
+                )
+            })?;
             signals.extend(done.signals);
         }
         Ok(signals)

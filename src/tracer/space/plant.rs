@@ -255,7 +255,7 @@ impl Space {
             size,
         );
         for addr in candidates {
-            match inject::map_code(tid, via, addr, size) {
+            match self.through_a_stub(tid, via, |via| inject::map_code(tid, via, addr, size)) {
                 Ok(done) => {
                     signals.extend(done.signals);
                     if done.value != addr {
