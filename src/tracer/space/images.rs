@@ -3,7 +3,6 @@
 //! addresses it was loaded at.
 
 use std::collections::HashMap;
-use std::io;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -107,7 +106,7 @@ pub fn image_mappings(maps: &[Mapping]) -> Vec<ImageMapping> {
 /// by the space only for the same file (inode) at the same address.
 #[derive(Default)]
 pub struct Ahead {
-    images: HashMap<(u64, u64), (Arc<ElfImage>, Option<UnwindTable>)>,
+    images: HashMap<(u64, u64), (Arc<ElfImage>, Option<Arc<UnwindTable>>)>,
 }
 
 impl Ahead {
@@ -120,9 +119,9 @@ impl Ahead {
         let images = image_mappings(&maps)
             .iter()
             .filter_map(|f| {
-                let image = load_image(pid, f).ok()?;
-                let table = tables.then(|| crate::unwind::tables::build(&image));
-                Some(((f.start, f.inode), (Arc::new(image), table)))
+                let image = super::shelf::image(pid, f).ok()?;
+                let table = tables.then(|| super::shelf::table(&image));
+                Some(((f.start, f.inode), (image, table)))
             })
             .collect();
         Ahead { images }
@@ -135,7 +134,7 @@ impl Ahead {
     }
 
     /// The unwind table read ahead for the image `module` (once).
-    pub fn take_table(&mut self, module: &LoadedModule) -> Option<UnwindTable> {
+    pub fn take_table(&mut self, module: &LoadedModule) -> Option<Arc<UnwindTable>> {
         let (image, table) = self.images.get_mut(&(module.range.start, module.inode))?;
         if Arc::ptr_eq(image, &module.image) {
             table.take()
@@ -143,14 +142,6 @@ impl Ahead {
             None
         }
     }
-}
-
-/// Read and parse an image, through /proc/PID/map_files when possible (it
-/// works for deleted files and files in other mount namespaces).
-pub fn load_image(pid: Tid, f: &ImageMapping) -> io::Result<ElfImage> {
-    let bytes = std::fs::read(procfs::map_file(pid, f.start, f.first_end))
-        .or_else(|_| std::fs::read(f.path.trim_end_matches(" (deleted)")))?;
-    crate::symbols::locate::load(&f.path, &bytes).map_err(io::Error::other)
 }
 
 #[cfg(test)]

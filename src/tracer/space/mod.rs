@@ -22,11 +22,11 @@ mod lookup;
 mod plant;
 pub mod probing;
 mod retpaths;
+mod shelf;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
-use std::sync::Arc;
 
 use super::inject;
 use super::probes::int3;
@@ -37,7 +37,6 @@ use super::probes::{HookKind, Hooks};
 use crate::os::mem::CodeWriter;
 use crate::os::procfs;
 use crate::os::ptrace::Tid;
-use crate::unwind::tables;
 use areas::Areas;
 use buffers::StackBuffers;
 use images::{ImageMapping, LoadedModule};
@@ -274,7 +273,7 @@ impl Space {
                 let table = self
                     .ahead
                     .take_table(module)
-                    .unwrap_or_else(|| tables::build(&module.image));
+                    .unwrap_or_else(|| shelf::table(&module.image));
                 control.add_image(module.range.clone(), module.bias.0, &table);
             }
         }
@@ -313,7 +312,7 @@ impl Space {
     ) -> io::Result<Option<LoadedModule>> {
         let image = match self.ahead.image(f) {
             Some(image) => image,
-            None => Arc::new(images::load_image(self.pid, f)?),
+            None => shelf::image(self.pid, f)?,
         };
         let Some(bias) = image.load_bias(f.start, 0) else {
             return Ok(None);
