@@ -396,7 +396,8 @@ impl Tracer {
         module_id: u64,
     ) -> TraceMsg {
         let done = self.ledger.complete(op, facts);
-        self.progress.update(&self.ledger);
+        self.progress
+            .update(self.ledger.events(), self.ledger.live_bytes());
         TraceMsg::Call(Box::new(RawCall {
             event: done.event,
             stack,

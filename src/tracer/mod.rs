@@ -45,11 +45,12 @@ mod stops;
 use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::heap;
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
+use crate::progress::Progress;
 use crate::sink::{Record, SinkError, ThreadRecord};
 use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
@@ -111,15 +112,6 @@ pub enum Ending {
     Detached { reason: String },
     /// memptrace failed (a panic): it let the program go as it could.
     Failed { reason: String },
-}
-
-/// Counters the progress line reads while the trace runs.
-#[derive(Default)]
-pub struct Progress {
-    pub events: AtomicU64,
-    pub live_bytes: AtomicU64,
-    /// Set by the recorder when the database cannot grow: the trace ends.
-    pub halt: crate::sink::Halt,
 }
 
 /// Things worth telling the user after the trace.
@@ -231,6 +223,8 @@ pub struct Tracer {
     /// Ids of mapping calls so far.
     next_map_id: u64,
     progress: Arc<Progress>,
+    /// What heap maps need of C libraries, read ahead by the namer.
+    heap_facts: heap::Facts,
     stats: TraceStats,
     control: Control,
 }
@@ -243,8 +237,9 @@ impl Tracer {
         root: Tid,
         clock: Instant,
         progress: Arc<Progress>,
+        heap_facts: heap::Facts,
     ) -> io::Result<Tracer> {
-        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress);
+        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress, heap_facts);
         tracer
             .family
             .processes
@@ -260,6 +255,7 @@ impl Tracer {
         root: Tid,
         clock: Instant,
         progress: Arc<Progress>,
+        heap_facts: heap::Facts,
     ) -> Tracer {
         let deadline = opts.duration.map(|d| Instant::now() + d);
         let tsc = (opts.probes == ProbeMode::Jump)
@@ -275,6 +271,7 @@ impl Tracer {
             next_module_id: 0,
             next_map_id: 0,
             progress,
+            heap_facts,
             stats: TraceStats::default(),
             control: Control {
                 root,
@@ -431,12 +428,4 @@ pub fn signal_name(sig: i32) -> String {
     nix::sys::signal::Signal::try_from(sig)
         .map(|s| s.as_str().to_string())
         .unwrap_or_else(|_| format!("signal {sig}"))
-}
-
-impl Progress {
-    fn update(&self, ledger: &Ledger) {
-        self.events.store(ledger.events(), Ordering::Relaxed);
-        self.live_bytes
-            .store(ledger.live_bytes(), Ordering::Relaxed);
-    }
 }
