@@ -144,6 +144,12 @@ mod tests {
                 Error::Trace(TraceError::Ptrace(eperm())),
                 "a ptrace request failed: Operation not permitted (os error 1)",
             ),
+            (
+                Error::Trace(TraceError::from(io::Error::from(
+                    crate::os::procfs::read_maps(i32::MAX).unwrap_err(),
+                ))),
+                "cannot read /proc/2147483647/maps: No such file or directory (os error 2)",
+            ),
             (Error::Io(enotdir()), "Not a directory (os error 20)"),
         ];
         for (err, text) in cases {

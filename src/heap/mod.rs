@@ -419,9 +419,12 @@ fn open_process(
     pid: i32,
     facts: &Facts,
 ) -> Result<(crate::os::mem::ProcessMemory, Glibc, Vec<Mapping>), HeapError> {
-    let maps = procfs::read_maps(pid).map_err(|err| match err.kind() {
+    let maps = procfs::read_maps(pid).map_err(|err| match err.error.kind() {
         io::ErrorKind::NotFound => HeapError::NoSuchProcess(pid),
-        _ => HeapError::Denied { pid, source: err },
+        _ => HeapError::Denied {
+            pid,
+            source: err.error,
+        },
     })?;
     let exe = procfs::exe(pid);
     let glibc = Glibc::find(

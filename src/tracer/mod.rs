@@ -162,7 +162,11 @@ pub struct TraceStats {
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     #[error("a ptrace request failed")]
-    Ptrace(#[from] io::Error),
+    Ptrace(#[source] io::Error),
+    /// A /proc file, read on the way (`io::Error`s that carry a
+    /// `ReadError` become this one, the rest `Ptrace`).
+    #[error(transparent)]
+    Read(#[from] procfs::ReadError),
     #[error(transparent)]
     Sink(#[from] SinkError),
     #[error("no process {0}")]
@@ -180,6 +184,15 @@ pub enum TraceError {
     NoAllocator(Tid),
     #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]
     AttachAbandoned { pid: Tid, reason: String },
+}
+
+impl From<io::Error> for TraceError {
+    fn from(err: io::Error) -> TraceError {
+        match procfs::ReadError::from_io(err) {
+            Ok(read) => TraceError::Read(read),
+            Err(err) => TraceError::Ptrace(err),
+        }
+    }
 }
 
 /// How long stopping every thread (to attach or detach) may go without a

@@ -56,7 +56,7 @@ impl Space {
         // From here on the space is one of int3 probes: images mapped later
         // are hooked with them too.
         self.probing.fall_back(why.to_string());
-        let maps = procfs::read_maps(self.pid)?;
+        let maps = procfs::read_maps(self.pid).map_err(io::Error::from)?;
         let mut planted = Vec::new();
         for hook in jumps {
             let HookKind::Allocator { ref ops, .. } = hook.kind else {
