@@ -99,22 +99,6 @@ pub enum Error {
     EmptyWindow { from: String, to: String },
 }
 
-/// An error and its causes, as main prints them (`message: cause: cause`):
-/// for warnings, which are text.
-pub fn with_causes(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(c) = cause {
-        let more = c.to_string();
-        if !text.ends_with(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 impl Error {
     /// memptrace's exit status for this error: as a shell would have it for
     /// a program that cannot be found (127) or cannot be run (126); 1 for
@@ -159,6 +143,12 @@ mod tests {
             (
                 Error::Trace(TraceError::Ptrace(eperm())),
                 "a ptrace request failed: Operation not permitted (os error 1)",
+            ),
+            (
+                Error::Trace(TraceError::from(io::Error::from(
+                    crate::os::procfs::read_maps(i32::MAX).unwrap_err(),
+                ))),
+                "cannot read /proc/2147483647/maps: No such file or directory (os error 2)",
             ),
             (Error::Io(enotdir()), "Not a directory (os error 20)"),
         ];

@@ -2,7 +2,7 @@
 //! that reads it (which call instruction precedes a return address, where a
 //! thread inside a trampoline belongs, which `pop` + `ret` pair to return
 //! through) is tested on byte buffers, without a live process. The live
-//! implementations are in [`crate::os::mem`] (process_vm_readv, and
+//! implementations are in `os::mem` (process_vm_readv, and
 //! /proc/PID/mem for code); [`Snapshot`] holds bytes at addresses.
 
 use std::collections::BTreeMap;

@@ -15,13 +15,29 @@
 
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use indicatif::{HumanBytes, HumanCount, ProgressBar, ProgressStyle};
 
-use crate::tracer::Progress;
+/// Counters the progress line reads while the trace runs (written by the
+/// tracer).
+#[derive(Default)]
+pub struct Progress {
+    pub events: AtomicU64,
+    pub live_bytes: AtomicU64,
+    /// Set by the recorder when the database cannot grow: the trace ends.
+    pub halt: crate::sink::Halt,
+}
+
+impl Progress {
+    /// The tracer's counts now: calls recorded, bytes live.
+    pub fn update(&self, events: u64, live_bytes: u64) {
+        self.events.store(events, Ordering::Relaxed);
+        self.live_bytes.store(live_bytes, Ordering::Relaxed);
+    }
+}
 
 pub struct ProgressLine {
     stop: Arc<AtomicBool>,

@@ -164,16 +164,31 @@ impl Wrappers {
     }
 }
 
+/// A `--wrapper` value that is not a regular expression. clap prints the
+/// message alone, so it carries the regex crate's words.
+#[derive(Debug, thiserror::Error)]
+#[error("not a regular expression: {0}")]
+pub struct NotARegex(regex::Error);
+
 /// `--wrapper` values: each must be a regular expression.
-pub fn check(expression: &str) -> Result<String, String> {
+pub fn check(expression: &str) -> Result<String, NotARegex> {
     regex::Regex::new(expression)
         .map(|_| expression.to_string())
-        .map_err(|e| format!("not a regular expression: {e}"))
+        .map_err(NotARegex)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn check_says_why_a_wrapper_is_not_a_regular_expression() {
+        let text = check("my_alloc(").unwrap_err().to_string();
+        assert!(
+            text.starts_with("not a regular expression: regex parse error:"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn allocator_libraries_by_name() {
@@ -247,7 +262,7 @@ mod tests {
         assert_eq!(w.extra(), ["^xmalloc$", "^g_malloc"]);
         assert!(Wrappers::new(&["(".into()]).is_err());
         assert!(check("(").is_err());
-        assert_eq!(check("^x$"), Ok("^x$".to_string()));
+        assert_eq!(check("^x$").ok().as_deref(), Some("^x$"));
         assert!(w.is_allocator_frame(Some("libc.so.6"), Some("strdup")));
         assert!(w.is_allocator_frame(None, Some("xmalloc")));
         assert!(!w.is_allocator_frame(Some("app"), Some("main")));

@@ -12,14 +12,14 @@
 //! `hp_flags`). Any other size is refused rather than guessed at.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use goblin::elf::{Elf, program_header, section_header};
 
 use super::HeapError;
 use crate::os::procfs::Mapping;
 use crate::symbols::elf::build_id;
-use crate::symbols::symbolize::{debug_file, parse_debuglink};
+use crate::symbols::symbolize::{DEFAULT_DEBUG_ROOT, debug_file, parse_debuglink};
 
 /// Offsets (bytes) and constants of glibc's allocator structures.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -126,12 +126,33 @@ enum ImageFacts {
 /// A file as it is now: replaced, it is another.
 type FileKey = (PathBuf, u64, u64, u64, i64, i64, Vec<PathBuf>);
 
-static FACTS: std::sync::Mutex<Vec<(FileKey, Arc<ImageFacts>)>> = std::sync::Mutex::new(Vec::new());
+/// The files worked out so far.
+type Known = Vec<(FileKey, Arc<ImageFacts>)>;
+
+/// What heap maps know of glibc's allocator in ELF files, worked out once
+/// per file and shared by its clones: the namer thread reads a C library's
+/// facts ahead ([`Facts::prepare`]) for the heap map the tracer takes later
+/// from the same `Facts`.
+#[derive(Clone, Default)]
+pub struct Facts(Arc<Mutex<Known>>);
+
+impl Facts {
+    fn lock(&self) -> MutexGuard<'_, Known> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Read ahead what a heap map of a process using the C library or
+    /// static executable at `path` will need, so that the map, taken while
+    /// the process waits, does not spend tens of milliseconds in DWARF.
+    pub fn prepare(&self, path: &Path) {
+        ImageFacts::of(path, &[PathBuf::from(DEFAULT_DEBUG_ROOT)], self);
+    }
+}
 
 impl ImageFacts {
     /// The facts of the file at `path` (`None`: it cannot be read, or is no
-    /// ELF file).
-    fn of(path: &Path, debug_roots: &[PathBuf]) -> Option<Arc<ImageFacts>> {
+    /// ELF file), from `cache` when it knows them.
+    fn of(path: &Path, debug_roots: &[PathBuf], cache: &Facts) -> Option<Arc<ImageFacts>> {
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::metadata(path).ok()?;
         let key = (
@@ -143,18 +164,18 @@ impl ImageFacts {
             meta.mtime_nsec(),
             debug_roots.to_vec(),
         );
-        let known = |facts: &Vec<(FileKey, Arc<ImageFacts>)>| {
+        let known = |facts: &Known| {
             facts
                 .iter()
                 .find(|(k, _)| *k == key)
                 .map(|(_, f)| f.clone())
         };
-        if let Some(found) = known(&FACTS.lock().unwrap_or_else(|e| e.into_inner())) {
+        if let Some(found) = known(&cache.lock()) {
             return Some(found);
         }
         let bytes = std::fs::read(path).ok()?;
         let facts = Arc::new(ImageFacts::read(path, &bytes, debug_roots)?);
-        let mut all = FACTS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = cache.lock();
         Some(known(&all).unwrap_or_else(|| {
             all.push((key, facts.clone()));
             facts
@@ -214,24 +235,16 @@ pub fn is_c_library(path: &str) -> bool {
     base.starts_with("libc.so") || base.starts_with("libc-")
 }
 
-/// Read ahead what a heap map of a process using the C library or static
-/// executable at `path` will need, so that the map, taken while the process
-/// waits, does not spend tens of milliseconds in DWARF.
-pub fn prepare(path: &Path) {
-    ImageFacts::of(
-        path,
-        &[PathBuf::from(crate::symbols::symbolize::DEFAULT_DEBUG_ROOT)],
-    );
-}
-
 impl Glibc {
     /// Find glibc's allocator among a process's mappings: in its C library
     /// (`libc.so.6`, symbols from the debug file under `debug_roots`), or in
-    /// the executable `exe` when it is static.
+    /// the executable `exe` when it is static. What files say is kept in
+    /// `facts`.
     pub fn find(
         maps: &[Mapping],
         exe: Option<&Path>,
         debug_roots: &[PathBuf],
+        facts: &Facts,
     ) -> Result<Glibc, HeapError> {
         if maps.iter().any(|m| m.path.contains("ld-musl")) {
             return Err(HeapError::Musl);
@@ -246,11 +259,11 @@ impl Glibc {
         }
         let mut missing = None;
         for path in images {
-            let facts = match ImageFacts::of(Path::new(path), debug_roots) {
-                Some(facts) => facts,
+            let found = match ImageFacts::of(Path::new(path), debug_roots, facts) {
+                Some(found) => found,
                 None => continue,
             };
-            let (arena, mp, narenas, dwarf) = match &*facts {
+            let (arena, mp, narenas, dwarf) = match &*found {
                 ImageFacts::Musl => return Err(HeapError::Musl),
                 ImageFacts::NoSymbols { is_libc } => {
                     if *is_libc {
@@ -266,7 +279,7 @@ impl Glibc {
                     ..
                 } => (*arena, *mp, *narenas, layout.as_deref().cloned()),
             };
-            let Some(bias) = facts.load_bias(maps, path) else {
+            let Some(bias) = found.load_bias(maps, path) else {
                 continue;
             };
             let layout = match dwarf {

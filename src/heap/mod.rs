@@ -38,7 +38,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 pub use frozen::Buffers;
-pub use glibc::{Glibc, Layout, TCACHE_BINS, is_c_library, prepare};
+pub use glibc::{Facts, Glibc, Layout, TCACHE_BINS, is_c_library};
 
 use crate::memory::Memory;
 use crate::os::procfs::{self, Mapping};
@@ -370,11 +370,11 @@ pub const LIVE_ATTEMPTS: u32 = 100;
 /// Map the heap of process `pid`. `stopped`: every thread is stopped (by
 /// ptrace), so one read of each arena is the truth; otherwise arenas are
 /// read again while they change.
-pub fn read_process(pid: i32, stopped: bool) -> Result<HeapMap, HeapError> {
+pub fn read_process(pid: i32, stopped: bool, facts: &Facts) -> Result<HeapMap, HeapError> {
     if stopped {
-        return copy_process(pid, Buffers::default()).map(HeapCopy::walk);
+        return copy_process(pid, Buffers::default(), facts).map(HeapCopy::walk);
     }
-    let (mem, glibc, maps) = open_process(pid)?;
+    let (mem, glibc, maps) = open_process(pid, facts)?;
     Ok(read_heap(&mem, &glibc, &maps, &Pagemap(pid), LIVE_ATTEMPTS))
 }
 
@@ -396,8 +396,8 @@ impl HeapCopy {
 /// Read the heap of process `pid`, every thread of which is stopped (by
 /// ptrace): each arena's chunks read once, a window at a time, through the
 /// window in `buffers` ([`reserve_copy`]).
-pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
-    let (mem, glibc, maps) = open_process(pid)?;
+pub fn copy_process(pid: i32, buffers: Buffers, facts: &Facts) -> Result<HeapCopy, HeapError> {
+    let (mem, glibc, maps) = open_process(pid, facts)?;
     Ok(HeapCopy {
         pid,
         frozen: frozen::freeze(&mem, &glibc, &maps, buffers),
@@ -406,8 +406,8 @@ pub fn copy_process(pid: i32, buffers: Buffers) -> Result<HeapCopy, HeapError> {
 
 /// The window [`copy_process`] reads the heap of `pid` through, faulted
 /// in while it still runs (none when its heap cannot be read).
-pub fn reserve_copy(pid: i32) -> Buffers {
-    match open_process(pid) {
+pub fn reserve_copy(pid: i32, facts: &Facts) -> Buffers {
+    match open_process(pid, facts) {
         Ok(_) => frozen::reserve(),
         Err(_) => Buffers::default(),
     }
@@ -417,13 +417,22 @@ pub fn reserve_copy(pid: i32) -> Buffers {
 /// known to be readable.
 fn open_process(
     pid: i32,
+    facts: &Facts,
 ) -> Result<(crate::os::mem::ProcessMemory, Glibc, Vec<Mapping>), HeapError> {
-    let maps = procfs::read_maps(pid).map_err(|err| match err.kind() {
+    let maps = procfs::read_maps(pid).map_err(|err| match err.error.kind() {
         io::ErrorKind::NotFound => HeapError::NoSuchProcess(pid),
-        _ => HeapError::Denied { pid, source: err },
+        _ => HeapError::Denied {
+            pid,
+            source: err.error,
+        },
     })?;
     let exe = procfs::exe(pid);
-    let glibc = Glibc::find(&maps, exe.as_deref(), &[PathBuf::from(DEFAULT_DEBUG_ROOT)])?;
+    let glibc = Glibc::find(
+        &maps,
+        exe.as_deref(),
+        &[PathBuf::from(DEFAULT_DEBUG_ROOT)],
+        facts,
+    )?;
     let mem = crate::os::mem::ProcessMemory(pid);
     // One word of main_arena tells whether the memory can be read at all.
     mem.read_u64(glibc.main_arena)
@@ -434,8 +443,9 @@ fn open_process(
 /// Read ahead, while process `pid` still runs, what a map of its heap
 /// will need from its C library or static executable (their symbols and
 /// DWARF: over 100 ms on a loaded machine), so that the map taken while it
-/// is stopped at attach does not wait for it.
-pub fn prepare_process(pid: i32) {
+/// is stopped at attach does not wait for it. What they say is kept in
+/// `facts`.
+pub fn prepare_process(pid: i32, facts: &Facts) {
     let Ok(maps) = procfs::read_maps(pid) else {
         return;
     };
@@ -444,7 +454,7 @@ pub fn prepare_process(pid: i32) {
     for m in maps.iter().filter(|m| m.is_file()) {
         let wanted = is_c_library(&m.path) || exe.as_deref() == Some(std::path::Path::new(&m.path));
         if wanted && !done.contains(&m.path.as_str()) {
-            prepare(std::path::Path::new(&m.path));
+            facts.prepare(std::path::Path::new(&m.path));
             done.push(&m.path);
         }
     }

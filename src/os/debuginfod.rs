@@ -46,6 +46,11 @@ type ProgressFn = unsafe extern "C" fn(*mut c_void, c_long, c_long) -> c_int;
 /// debuginfod_progressfn_t)`.
 type SetProgressFn = unsafe extern "C" fn(*mut c_void, Option<ProgressFn>);
 
+/// Why the library could not be loaded (`dlerror`'s words).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadError(String);
+
 /// The loaded library: the functions memptrace calls.
 pub struct Library {
     begin: Begin,
@@ -57,16 +62,16 @@ pub struct Library {
 impl Library {
     /// The library, loaded on the first call; the error says why it could
     /// not be (`dlerror`).
-    pub fn get() -> Result<&'static Library, String> {
-        static LIBRARY: OnceLock<Result<Library, String>> = OnceLock::new();
+    pub fn get() -> Result<&'static Library, LoadError> {
+        static LIBRARY: OnceLock<Result<Library, LoadError>> = OnceLock::new();
         LIBRARY
             .get_or_init(Library::open)
             .as_ref()
             .map_err(Clone::clone)
     }
 
-    fn open() -> Result<Library, String> {
-        let name = CString::new(SONAME).map_err(|e| e.to_string())?;
+    fn open() -> Result<Library, LoadError> {
+        let name = CString::new(SONAME).map_err(|e| LoadError(e.to_string()))?;
         // SAFETY: `name` is a NUL-terminated string; dlopen has no other
         // precondition. The handle is never closed (see the module docs).
         let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -137,17 +142,16 @@ extern "C" fn progress(_client: *mut c_void, _a: c_long, size: c_long) -> c_int 
 }
 
 /// The last `dlerror` message.
-fn dl_error() -> String {
+fn dl_error() -> LoadError {
     // SAFETY: dlerror returns NULL or a NUL-terminated string that stays
     // valid until the next dl* call of this thread; it is copied at once.
     let text = unsafe { libc::dlerror() };
     if text.is_null() {
-        return "unknown dlopen error".to_string();
+        return LoadError("unknown dlopen error".to_string());
     }
     // SAFETY: non-null, NUL-terminated (above).
-    unsafe { CStr::from_ptr(text) }
-        .to_string_lossy()
-        .into_owned()
+    let text = unsafe { CStr::from_ptr(text) };
+    LoadError(text.to_string_lossy().into_owned())
 }
 
 /// One `debuginfod_client`, ended on drop.

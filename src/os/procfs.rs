@@ -44,8 +44,53 @@ pub fn terminal_of(pid: Tid, fd: i32) -> io::Result<Option<u64>> {
     }
 }
 
-pub fn read_maps(pid: Tid) -> io::Result<Vec<Mapping>> {
-    let text = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+/// A /proc file that could not be read: which, and the system's words.
+/// The message carries both (it has no `source`), so it reads the same
+/// wherever it is printed, on its own or inside an `io::Error`.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read {}: {error}", path.display())]
+pub struct ReadError {
+    pub path: PathBuf,
+    pub error: io::Error,
+}
+
+impl ReadError {
+    fn of(path: String) -> impl FnOnce(io::Error) -> ReadError {
+        move |error| ReadError {
+            path: path.into(),
+            error,
+        }
+    }
+}
+
+/// Through an `io::Error` (of the same kind) the read error stays one:
+/// `ReadError::from_io` finds it again.
+impl From<ReadError> for io::Error {
+    fn from(err: ReadError) -> io::Error {
+        io::Error::new(err.error.kind(), err)
+    }
+}
+
+impl ReadError {
+    /// The read error `err` carries, if it is one (see `From<ReadError>`);
+    /// otherwise `err` as it was.
+    pub fn from_io(err: io::Error) -> Result<ReadError, io::Error> {
+        if !err.get_ref().is_some_and(|inner| inner.is::<ReadError>()) {
+            return Err(err);
+        }
+        let kind = err.kind();
+        match err.into_inner().map(|inner| inner.downcast::<ReadError>()) {
+            Some(Ok(read)) => Ok(*read),
+            Some(Err(other)) => Err(io::Error::new(kind, other)),
+            None => Err(io::Error::from(kind)),
+        }
+    }
+}
+
+/// The memory map of process `pid` (`/proc/PID/maps`).
+pub fn read_maps(pid: Tid) -> Result<Vec<Mapping>, ReadError> {
+    let path = format!("/proc/{pid}/maps");
+    let text = fs::read_to_string(&path).map_err(ReadError::of(path))?;
     Ok(parse_maps(&text))
 }
 
@@ -249,6 +294,24 @@ pub fn run_queue_wait_ns(tid: Option<Tid>) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_error_says_what_was_read_and_survives_an_io_error() {
+        let err = read_maps(i32::MAX).unwrap_err();
+        assert_eq!(err.path, PathBuf::from(format!("/proc/{}/maps", i32::MAX)));
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("cannot read /proc/{}/maps: ", i32::MAX)),
+            "{text}"
+        );
+        let kind = err.error.kind();
+        let through = io::Error::from(err);
+        assert_eq!((through.kind(), through.to_string()), (kind, text.clone()));
+        let back = ReadError::from_io(through).unwrap();
+        assert_eq!(back.to_string(), text);
+        let other = ReadError::from_io(io::Error::from_raw_os_error(libc::EPERM)).unwrap_err();
+        assert_eq!(other.raw_os_error(), Some(libc::EPERM));
+    }
 
     #[test]
     fn reads_run_queue_waits_that_only_grow() {

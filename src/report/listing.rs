@@ -4,8 +4,9 @@
 
 use std::fmt::Write as _;
 
-use super::stacks::{Location, file_name};
+use super::stacks::Location;
 use super::text::Style;
+use crate::util::file_name;
 
 /// One line of a stack: `function (file:line)`, the file without its
 /// directories (the JSON output has the whole path).

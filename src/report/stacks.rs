@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use super::scan::IdMap;
 use super::{ReportError, Trace};
+use crate::util::file_name;
 use crate::wrappers::Wrappers;
 
 /// One source location of a frame (several when calls were inlined).
@@ -55,11 +56,6 @@ impl Module {
     pub fn name(&self) -> &str {
         file_name(&self.path)
     }
-}
-
-/// The part of a path after the last `/`.
-pub fn file_name(path: &str) -> &str {
-    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// One line of a stack as people read it (an inlined call is a line of its

@@ -66,7 +66,7 @@ pub fn run(config: Config) -> Result<i32, Error> {
         Config::Heapmap { source, options } => {
             match source {
                 HeapSource::Pid(pid) => {
-                    let map = crate::heap::read_process(pid, false)?;
+                    let map = crate::heap::read_process(pid, false, &Default::default())?;
                     report::show_heapmap(&HeapReport::of(pid.into(), &map), &options)?;
                 }
                 HeapSource::Trace { path, snapshot } => {
@@ -118,6 +118,7 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         child.pid,
         recording.clock,
         recording.progress.clone(),
+        recording.heap_facts.clone(),
     )?;
     recording.records.send(vec![meta_record(
         "on_memptrace_death",
@@ -179,6 +180,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         pid,
         recording.clock,
         recording.progress.clone(),
+        recording.heap_facts.clone(),
     ) {
         Ok(tracer) => tracer,
         Err(err) => {

@@ -7,14 +7,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::cli::TraceConfig;
 use crate::error::Error;
+use crate::heap::Facts;
+use crate::namer::Namer;
 use crate::os::procfs;
 use crate::os::signals;
-use crate::progress::ProgressLine;
+use crate::progress::{Progress, ProgressLine};
 use crate::sampler::{Sampler, Watchlist};
 use crate::sink::{Record, RecordSender, Recorder, SqliteSink};
 use crate::symbols::debuginfod::Debuginfod;
-use crate::symbols::namer::Namer;
-use crate::tracer::{Ending, Progress, TraceStats, Tracer, signal_name};
+use crate::tracer::{Ending, TraceStats, Tracer, signal_name};
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use crate::wrappers::Wrappers;
@@ -38,6 +39,9 @@ pub(super) struct Recording {
     recorder: Recorder,
     pub(super) clock: Instant,
     pub(super) progress: Arc<Progress>,
+    /// What heap maps need of C libraries: the namer reads it ahead for
+    /// the tracer.
+    pub(super) heap_facts: Facts,
     /// Progress may be drawn: on a terminal the program does not write to.
     draw: bool,
 }
@@ -70,8 +74,15 @@ impl Recording {
             halt: recorder.halt(),
             ..Progress::default()
         });
+        let heap_facts = Facts::default();
         Ok(Recording {
-            namer: Namer::spawn(records.clone(), wrappers, debuginfod.clone()),
+            namer: Namer::spawn(
+                records.clone(),
+                wrappers,
+                debuginfod.clone(),
+                heap_facts.clone(),
+            ),
+            heap_facts,
             debuginfod,
             recorder,
             records,

@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::event::Event;
+pub use crate::symbols::symbolize::SourceLine;
 
 /// An ELF image mapped in a traced process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,15 +92,6 @@ impl Trust {
             Trust::Signal => "signal",
         }
     }
-}
-
-/// A source location of a frame. One frame can have several: the function whose
-/// code it is (index 0, possibly inlined) and the functions it was inlined into.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SourceLine {
-    pub function: Option<String>,
-    pub file: Option<String>,
-    pub line: Option<u32>,
 }
 
 /// The symbols of one frame, found after the trace: innermost first.

@@ -10,7 +10,6 @@ pub mod debuginfod;
 pub mod elf;
 pub mod height;
 pub mod locate;
-pub mod namer;
 pub mod names;
 pub mod signatures;
 pub mod symbolize;

@@ -1,5 +1,5 @@
 //! Source-level names for code addresses, found once per unique address (as
-//! the trace runs: see [`super::namer`]).
+//! the trace runs: see the `namer` module).
 //!
 //! For each image the symbolizer looks for DWARF in the image itself, else in
 //! a separate debug file (by build-id, then by `.gnu_debuglink`: see
@@ -38,7 +38,15 @@ pub(crate) use self::objinfo::parse_debuglink;
 use self::objinfo::{AltLink, ObjectInfo, read_regular_file};
 use self::symtab::SymbolIndex;
 use super::debuginfod::{Debuginfod, Fetcher};
-use crate::sink::SourceLine;
+
+/// A source location of a frame. One frame can have several: the function whose
+/// code it is (index 0, possibly inlined) and the functions it was inlined into.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceLine {
+    pub function: Option<String>,
+    pub file: Option<String>,
+    pub line: Option<u32>,
+}
 
 /// Where Debian's `-dbgsym` and `-dbg` packages put debug files.
 pub const DEFAULT_DEBUG_ROOT: &str = "/usr/lib/debug";

@@ -45,6 +45,7 @@ impl Tracer {
         pid: Tid,
         clock: Instant,
         progress: Arc<Progress>,
+        heap_facts: crate::heap::Facts,
     ) -> Result<Tracer, TraceError> {
         match procfs::tgid(pid) {
             None => return Err(TraceError::NoSuchProcess(pid)),
@@ -58,11 +59,11 @@ impl Tracer {
         }
         // Before a thread stops: the heap map at attach then finds its
         // allocator's layout ready.
-        crate::heap::prepare_process(pid);
+        crate::heap::prepare_process(pid, &heap_facts);
         // Memory to copy its heap into, faulted in while it runs: a fresh
         // buffer's page faults were most of the copy's time.
-        let buffers = crate::heap::reserve_copy(pid);
-        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress);
+        let buffers = crate::heap::reserve_copy(pid, &heap_facts);
+        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress, heap_facts);
         tracer.control.attached = true;
         // Its images too (and the jump probes' unwind tables of them).
         let ahead = Ahead::read(pid, tracer.jumps());

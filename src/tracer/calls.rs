@@ -6,7 +6,7 @@
 //! (PTRACE_CONT): at the displaced instruction for `free`, which returns
 //! nothing worth a stop, and at the slot's call stub for every call that
 //! returns a block, so that the call returns to the stub's int3 (see
-//! `trampoline::slot_code`). When its space has stack buffers (framehop or
+//! [`super::probes::int3::slot_code`]). When its space has stack buffers (framehop or
 //! `--no-stacks`, see [`super::copies`]) the thread first passes through the
 //! copy routine, which copies its stack, or its return address, into memory
 //! shared with memptrace; otherwise that is read with one process_vm_readv
@@ -396,7 +396,8 @@ impl Tracer {
         module_id: u64,
     ) -> TraceMsg {
         let done = self.ledger.complete(op, facts);
-        self.progress.update(&self.ledger);
+        self.progress
+            .update(self.ledger.events(), self.ledger.live_bytes());
         TraceMsg::Call(Box::new(RawCall {
             event: done.event,
             stack,

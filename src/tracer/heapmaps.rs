@@ -87,7 +87,9 @@ impl Tracer {
     /// the heap as it is at this instant, copied.
     pub(super) fn copy_heap(&mut self, pid: Tid, buffers: heap::Buffers) -> Inventory {
         let ts_ns = self.now_ns();
-        let copy = caught(|| heap::copy_process(pid, buffers).map_err(|e| e.to_string()));
+        let copy = caught(|| {
+            heap::copy_process(pid, buffers, &self.heap_facts).map_err(|e| e.to_string())
+        });
         Inventory { pid, ts_ns, copy }
     }
 
@@ -193,7 +195,8 @@ impl Tracer {
             events,
         } = walked;
         self.ledger = ledger;
-        self.progress.update(&self.ledger);
+        self.progress
+            .update(self.ledger.events(), self.ledger.live_bytes());
         // 150 000 events in one piece: pushed one by one, the batch grew
         // by copies (and before, handing them over waited for the
         // pipeline: a third of the attach's stop when it was in it).
@@ -209,7 +212,7 @@ impl Tracer {
     pub(super) fn map_heap_at_exit(&mut self, tid: Tid) {
         if self.family.is_traced(tid) {
             let ts_ns = self.now_ns();
-            let map = read_heap(tid);
+            let map = read_heap(tid, &self.heap_facts);
             self.send_heap(tid, ts_ns, "exit", map);
         }
     }
@@ -225,7 +228,7 @@ impl Tracer {
     pub(super) fn map_heaps_after_detach(&mut self, pids: Vec<Tid>) {
         for pid in pids {
             let ts_ns = self.now_ns();
-            let map = read_heap(pid);
+            let map = read_heap(pid, &self.heap_facts);
             self.send_heap(pid, ts_ns, "detach", map);
         }
     }
@@ -285,8 +288,8 @@ fn walk_copy(inventory: Inventory, mut ledger: Ledger) -> Walked {
 }
 
 /// Map the heap of `pid`, read as a running process's.
-fn read_heap(pid: Tid) -> Result<HeapMap, String> {
-    caught(|| heap::read_process(pid, false).map_err(|e| e.to_string()))
+fn read_heap(pid: Tid, facts: &heap::Facts) -> Result<HeapMap, String> {
+    caught(|| heap::read_process(pid, false, facts).map_err(|e| e.to_string()))
 }
 
 /// What `f` returns. The walk checks every word it reads; should it panic

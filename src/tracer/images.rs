@@ -171,7 +171,7 @@ impl Tracer {
     /// exec'd program, a child), the row says both.
     pub(super) fn note_planted(&mut self, pid: Tid, planted: Vec<Planted>) {
         for p in planted {
-            let image = crate::report::stacks::file_name(&p.module).to_string();
+            let image = crate::util::file_name(&p.module).to_string();
             for op in p.ops {
                 let key = format!("{image}:{op}");
                 match self.stats.probes.iter_mut().find(|(k, _)| *k == key) {

@@ -45,11 +45,12 @@ mod stops;
 use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::heap;
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::{procfs, signals};
+use crate::progress::Progress;
 use crate::sink::{Record, SinkError, ThreadRecord};
 use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
@@ -113,15 +114,6 @@ pub enum Ending {
     Failed { reason: String },
 }
 
-/// Counters the progress line reads while the trace runs.
-#[derive(Default)]
-pub struct Progress {
-    pub events: AtomicU64,
-    pub live_bytes: AtomicU64,
-    /// Set by the recorder when the database cannot grow: the trace ends.
-    pub halt: crate::sink::Halt,
-}
-
 /// Things worth telling the user after the trace.
 #[derive(Clone, Debug, Default)]
 pub struct TraceStats {
@@ -170,7 +162,11 @@ pub struct TraceStats {
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     #[error("a ptrace request failed")]
-    Ptrace(#[from] io::Error),
+    Ptrace(#[source] io::Error),
+    /// A /proc file, read on the way (`io::Error`s that carry a
+    /// `ReadError` become this one, the rest `Ptrace`).
+    #[error(transparent)]
+    Read(#[from] procfs::ReadError),
     #[error(transparent)]
     Sink(#[from] SinkError),
     #[error("no process {0}")]
@@ -188,6 +184,15 @@ pub enum TraceError {
     NoAllocator(Tid),
     #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]
     AttachAbandoned { pid: Tid, reason: String },
+}
+
+impl From<io::Error> for TraceError {
+    fn from(err: io::Error) -> TraceError {
+        match procfs::ReadError::from_io(err) {
+            Ok(read) => TraceError::Read(read),
+            Err(err) => TraceError::Ptrace(err),
+        }
+    }
 }
 
 /// How long stopping every thread (to attach or detach) may go without a
@@ -231,6 +236,8 @@ pub struct Tracer {
     /// Ids of mapping calls so far.
     next_map_id: u64,
     progress: Arc<Progress>,
+    /// What heap maps need of C libraries, read ahead by the namer.
+    heap_facts: heap::Facts,
     stats: TraceStats,
     control: Control,
 }
@@ -243,8 +250,9 @@ impl Tracer {
         root: Tid,
         clock: Instant,
         progress: Arc<Progress>,
+        heap_facts: heap::Facts,
     ) -> io::Result<Tracer> {
-        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress);
+        let mut tracer = Tracer::blank(opts, pipeline, root, clock, progress, heap_facts);
         tracer
             .family
             .processes
@@ -260,6 +268,7 @@ impl Tracer {
         root: Tid,
         clock: Instant,
         progress: Arc<Progress>,
+        heap_facts: heap::Facts,
     ) -> Tracer {
         let deadline = opts.duration.map(|d| Instant::now() + d);
         let tsc = (opts.probes == ProbeMode::Jump)
@@ -275,6 +284,7 @@ impl Tracer {
             next_module_id: 0,
             next_map_id: 0,
             progress,
+            heap_facts,
             stats: TraceStats::default(),
             control: Control {
                 root,
@@ -431,12 +441,4 @@ pub fn signal_name(sig: i32) -> String {
     nix::sys::signal::Signal::try_from(sig)
         .map(|s| s.as_str().to_string())
         .unwrap_or_else(|_| format!("signal {sig}"))
-}
-
-impl Progress {
-    fn update(&self, ledger: &Ledger) {
-        self.events.store(ledger.events(), Ordering::Relaxed);
-        self.live_bytes
-            .store(ledger.live_bytes(), Ordering::Relaxed);
-    }
 }

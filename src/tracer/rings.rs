@@ -265,7 +265,8 @@ impl Tracer {
             WalkEnd::Outermost
         };
         let done = self.ledger.complete(op, &facts);
-        self.progress.update(&self.ledger);
+        self.progress
+            .update(self.ledger.events(), self.ledger.live_bytes());
         self.out.push_frames(
             done.event,
             frames,

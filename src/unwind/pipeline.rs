@@ -15,8 +15,8 @@ use super::vet::{Trust, vet};
 use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
 use crate::event::Event;
+use crate::namer::NameSender;
 use crate::sink::{Record, RecordSender, SinkError};
-use crate::symbols::namer::NameSender;
 use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
 
 /// What the pipeline counted, for the `meta` rows of the end.

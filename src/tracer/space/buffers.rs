@@ -55,7 +55,7 @@ pub fn in_copy(rip: u64, routine: u64) -> Option<InCopy> {
 }
 
 /// Stack buffers: a mapping shared between the target and memptrace, one
-/// buffer per thread, and the copy routine (`trampoline::COPY_ROUTINE`) in a
+/// buffer per thread, and the copy routine ([`COPY_ROUTINE`]) in a
 /// trampoline slot. At an allocator entry the tracer sends the thread through
 /// the routine instead of copying its stack with a system call while it is
 /// stopped: the thread copies its own stack, and memptrace reads the copy

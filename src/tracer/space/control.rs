@@ -56,7 +56,7 @@ impl Space {
         // From here on the space is one of int3 probes: images mapped later
         // are hooked with them too.
         self.probing.fall_back(why.to_string());
-        let maps = procfs::read_maps(self.pid)?;
+        let maps = procfs::read_maps(self.pid).map_err(io::Error::from)?;
         let mut planted = Vec::new();
         for hook in jumps {
             let HookKind::Allocator { ref ops, .. } = hook.kind else {
@@ -91,7 +91,7 @@ impl Space {
             .map_err(|e| e.to_string())?;
         let via = self.via().ok_or("no syscall instruction")?;
         let mut control = Control::create(self.pid, tid, via, name, Some(parent.remote), signals)
-            .map_err(|e| crate::error::with_causes(&e))?;
+            .map_err(|e| crate::util::with_causes(&e))?;
         control.copy_tables_from(parent);
         control.maps = parent.maps;
         self.install_control(control);
@@ -113,7 +113,7 @@ impl Space {
             .via()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
         let control = Control::create(self.pid, tid, via, name, None, signals)
-            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
+            .map_err(|e| io::Error::other(crate::util::with_causes(&e)))?;
         self.install_control(control);
         Ok(())
     }

@@ -260,7 +260,7 @@ impl Space {
         if !changes.added.is_empty() && self.probing.control_to_make() {
             if let Err(err) = self.make_control(tid, &changes.added[0], &maps, &mut changes.signals)
             {
-                let why = crate::error::with_causes(&err);
+                let why = crate::util::with_causes(&err);
                 changes.warnings.push(format!(
                     "process {}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {why}",
                     self.pid

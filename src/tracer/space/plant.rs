@@ -306,7 +306,7 @@ impl Space {
         let name = self.name_in_target(tid, signals)?;
         let len = BUFFERS as u64 * BUFFER_STRIDE;
         let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)
-            .map_err(|e| io::Error::other(crate::error::with_causes(&e)))?;
+            .map_err(|e| io::Error::other(crate::util::with_causes(&e)))?;
         self.shared = Some(remote..remote + len);
         self.mem.write(routine, &COPY_ROUTINE)?;
         Ok(StackBuffers::new(map, remote, routine))

@@ -11,7 +11,8 @@
 //! time the program and the tracer leave.
 //!
 //! The same thread reads ahead the C library's allocator layout for the
-//! heap map taken at each process's exit ([`crate::heap::prepare`]).
+//! heap map taken at each process's exit ([`crate::heap::Facts::prepare`]),
+//! into the `Facts` the session hands both it and the tracer.
 //!
 //! At the end the session waits for the namer briefly. A thread at the
 //! lowest priority can starve (after a detach the program runs on, flat
@@ -25,9 +26,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::debuginfod::Debuginfod;
-use super::symbolize::Symbolizer;
+use crate::heap::{self, Facts};
 use crate::sink::{FrameRecord, FrameSymbols, ModuleRecord, Record, RecordSender, SinkError};
+use crate::symbols::debuginfod::Debuginfod;
+use crate::symbols::symbolize::Symbolizer;
 use crate::wrappers::Wrappers;
 
 /// How long the end of a trace waits for the namer to finish.
@@ -118,18 +120,20 @@ pub struct Namer {
 
 impl Namer {
     /// Start the thread; its names go to `records`; debug files found
-    /// nowhere on disk are asked of `debuginfod`.
+    /// nowhere on disk are asked of `debuginfod`; what the heap maps will
+    /// need of a C library is read ahead into `facts`.
     pub fn spawn(
         records: RecordSender,
         wrappers: Wrappers,
         debuginfod: Option<Debuginfod>,
+        facts: Facts,
     ) -> Namer {
         let mut namer = Namer::idle(records, wrappers, debuginfod);
         let symbolizer = Symbolizer::new().with_debuginfod(namer.debuginfod.as_ref());
         let theirs = (namer.shared.clone(), namer.wrappers.clone());
         let thread = std::thread::Builder::new()
             .name("memptrace-names".into())
-            .spawn(move || name_all(&theirs.0, &theirs.1, symbolizer))
+            .spawn(move || name_all(&theirs.0, &theirs.1, symbolizer, &facts))
             .expect("spawning the naming thread");
         namer.thread = Some(thread);
         namer
@@ -216,7 +220,7 @@ impl Drop for Namer {
     }
 }
 
-fn name_all(shared: &Shared, wrappers: &Wrappers, mut symbolizer: Symbolizer) {
+fn name_all(shared: &Shared, wrappers: &Wrappers, mut symbolizer: Symbolizer, facts: &Facts) {
     crate::os::local::lower_own_priority();
     let mut prepared = Vec::new();
     loop {
@@ -239,8 +243,8 @@ fn name_all(shared: &Shared, wrappers: &Wrappers, mut symbolizer: Symbolizer) {
         // The heap map at a process's exit will need its C library's
         // layout: read it now, not while the process waits.
         for module in modules.values() {
-            if crate::heap::is_c_library(&module.path) && !prepared.contains(&module.path) {
-                crate::heap::prepare(Path::new(&module.path));
+            if heap::is_c_library(&module.path) && !prepared.contains(&module.path) {
+                facts.prepare(Path::new(&module.path));
                 prepared.push(module.path.clone());
             }
         }
@@ -294,7 +298,7 @@ fn name(
                 names[i] = lines;
             }
         }
-        let file = crate::report::stacks::file_name(&module.path);
+        let file = crate::util::file_name(&module.path);
         out.extend(frames.iter().zip(names).filter_map(|(frame, lines)| {
             // The function whose machine code holds the call: the
             // outermost line.
@@ -379,7 +383,9 @@ mod tests {
 
     #[test]
     fn names_the_frames_it_is_handed() {
-        assert_level_two(&named("namer", |r, w| Namer::spawn(r, w, None)));
+        assert_level_two(&named("namer", |r, w| {
+            Namer::spawn(r, w, None, Facts::default())
+        }));
     }
 
     /// The namer's thread never got the CPU: the end of the trace names
