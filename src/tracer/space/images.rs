@@ -100,13 +100,16 @@ pub fn image_mappings(maps: &[Mapping]) -> Vec<ImageMapping> {
         .collect()
 }
 
+/// An image read ahead, and its unwind table when asked for.
+type ReadAhead = (Arc<ElfImage>, Option<Arc<UnwindTable>>);
+
 /// The images of a process read and parsed before its threads stop (and,
 /// for jump probes, their unwind tables built): an attach to a program
 /// with a JVM's images spent 75-155 ms of its stop on them. Each is taken
 /// by the space only for the same file (inode) at the same address.
 #[derive(Default)]
 pub struct Ahead {
-    images: HashMap<(u64, u64), (Arc<ElfImage>, Option<Arc<UnwindTable>>)>,
+    images: HashMap<(u64, u64), ReadAhead>,
 }
 
 impl Ahead {
