@@ -26,6 +26,7 @@
 //!   thread that allocated it (heaptrack's definition);
 //! - **calls** of a stack: calls to the allocating functions (all but `free`).
 
+pub mod aggregated;
 pub mod flame;
 mod heapdraw;
 pub mod heapmap;

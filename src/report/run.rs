@@ -27,10 +27,24 @@ fn command(trace: &Trace) -> Result<String, ReportError> {
         .unwrap_or_else(|| trace.path.display().to_string()))
 }
 
+/// The analysis of a trace: from its aggregate tables when it has them,
+/// else by a pass over the events (and a second up to the peak when
+/// `peak` is needed).
+fn analysis_for(trace: &Trace, peak: bool) -> Result<Analysis, ReportError> {
+    if let Some(a) = Analysis::from_aggregates(trace)? {
+        return Ok(a);
+    }
+    let mut a = Analysis::run(trace)?;
+    if peak {
+        a.add_peak(trace)?;
+    }
+    Ok(a)
+}
+
 /// `memptrace report`.
 pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
-    let analysis = Analysis::full(&trace)?;
+    let analysis = Analysis::load(&trace)?;
     let table = StackTable::load(&trace, &options.wrappers)?;
     let summary = Summary::build(&trace, &analysis, &table, options.top)?;
     let out = match options.format {
@@ -49,10 +63,7 @@ pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportErro
 pub fn run_flamegraph(path: &Path, options: &FlamegraphOptions) -> Result<(), ReportError> {
     check_output(path, &options.output)?;
     let trace = open(path)?;
-    let mut analysis = Analysis::run(&trace)?;
-    if options.metric == super::Metric::Peak {
-        analysis.add_peak(&trace)?;
-    }
+    let analysis = analysis_for(&trace, options.metric == super::Metric::Peak)?;
     let table = StackTable::load(&trace, &options.wrappers)?;
     let lines = flame::folded(&analysis, &table, options.metric);
     let title = format!(
@@ -105,10 +116,8 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
 
 /// `export --pprof` and `--collapsed`: from one analysis.
 fn export_profiles(trace: &Trace, options: &ExportOptions) -> Result<(), ReportError> {
-    let mut analysis = Analysis::run(trace)?;
-    if options.collapsed.is_some() && options.metric == super::Metric::Peak {
-        analysis.add_peak(trace)?;
-    }
+    let peak = options.collapsed.is_some() && options.metric == super::Metric::Peak;
+    let analysis = analysis_for(trace, peak)?;
     let table = StackTable::load(trace, &options.wrappers)?;
     if let Some(out) = &options.pprof {
         let profile = pprof::profile(trace, &analysis, &table)?;
