@@ -4,7 +4,7 @@
 //! ([`Analysis::run`] and [`Analysis::add_peak`]), found the same way as the
 //! events went by; only the timeline of `plot` is not among them.
 
-use super::scan::{Analysis, Peak, size_bucket};
+use super::scan::{Analysis, IdMap, Peak, Slice, size_bucket};
 use super::{ReportError, Trace};
 use crate::event::Op;
 
@@ -193,5 +193,50 @@ impl Analysis {
             }
         }
         Ok(Some(a))
+    }
+
+    /// The heap over time of an aggregate trace, at its resolution, from
+    /// `agg_over_time`: a slice per bucket in which the heap changed, its
+    /// value at the bucket's end (and the peak in the peak's bucket).
+    pub fn add_timeline(&mut self, trace: &Trace, resolution_ns: u64) -> Result<(), ReportError> {
+        let err = |e| trace.err(e);
+        let mut stmt = trace
+            .conn
+            .prepare("SELECT bucket_ns, stack_id, bytes FROM agg_over_time ORDER BY bucket_ns")
+            .map_err(err)?;
+        let mut rows = stmt.query([]).map_err(err)?;
+        let mut held: IdMap<Option<i64>, u64> = IdMap::default();
+        let mut total: u64 = 0;
+        let mut slices: Vec<Slice> = Vec::new();
+        let width = resolution_ns.clamp(1, i64::MAX as u64) as i64;
+        while let Some(r) = rows.next().map_err(err)? {
+            let bucket: i64 = r.get(0).map_err(err)?;
+            let stack: Option<i64> = r.get(1).map_err(err)?;
+            let bytes = r.get::<_, i64>(2).map_err(err)?.max(0) as u64;
+            let before = held.insert(stack, bytes).unwrap_or(0);
+            total = total.saturating_sub(before).saturating_add(bytes);
+            let last_ns = bucket
+                .saturating_add(width - 1)
+                .min(self.last_ns.max(bucket));
+            match slices.last_mut() {
+                Some(slice) if slice.first_ns == bucket => {
+                    slice.last_bytes = total;
+                    slice.max_bytes = total;
+                }
+                _ => slices.push(Slice {
+                    first_ns: bucket,
+                    last_ns,
+                    max_bytes: total,
+                    last_bytes: total,
+                }),
+            }
+        }
+        for slice in &mut slices {
+            if (slice.first_ns..=slice.last_ns).contains(&self.peak.ts_ns) {
+                slice.max_bytes = slice.max_bytes.max(self.peak.bytes);
+            }
+        }
+        self.timeline = slices;
+        Ok(())
     }
 }

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use super::aggregated::TraceMode;
 use super::scan::Analysis;
 use super::stacks::StackTable;
 use super::summary::Summary;
@@ -80,7 +81,17 @@ pub fn run_plot(path: &Path, options: &PlotOptions) -> Result<(), ReportError> {
     check_output(path, &options.output)?;
     plot::Picture::of(&options.output)?;
     let trace = open(path)?;
-    let analysis = Analysis::run(&trace)?;
+    // An aggregate trace has no events: its heap over time is by bucket.
+    let analysis = match TraceMode::of(&trace)? {
+        TraceMode::Aggregate { resolution_ns } => match Analysis::from_aggregates(&trace)? {
+            Some(mut a) => {
+                a.add_timeline(&trace, resolution_ns)?;
+                a
+            }
+            None => Analysis::run(&trace)?,
+        },
+        TraceMode::Full => Analysis::run(&trace)?,
+    };
     let memory = plot::resident(&trace)?;
     let title = format!("memptrace: {}", command(&trace)?);
     plot::draw(
@@ -137,6 +148,12 @@ fn export_profiles(trace: &Trace, options: &ExportOptions) -> Result<(), ReportE
 /// `memptrace window`.
 pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
+    if let TraceMode::Aggregate { .. } = TraceMode::of(&trace)? {
+        return Err(ReportError::NotInTrace {
+            path: trace.path.clone(),
+            what: "recorded with --aggregate: a window needs the single calls, which the trace does not have (its heap over time per stack is in agg_over_time)".to_string(),
+        });
+    }
     let clamp = |ns: u64| ns.min(i64::MAX as u64) as i64;
     let (from_ns, to_ns) = (clamp(options.from_ns), clamp(options.to_ns));
     // A window past the end of the trace is cut there, and said so.

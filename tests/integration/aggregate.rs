@@ -257,6 +257,40 @@ fn aggregate_trace_matches_the_full_trace() {
     let ta = text(&agg);
     assert!(ta.lines().any(|l| l == line), "{ta}");
     assert!(!text(&full).contains("--aggregate"));
+    // plot draws the heap from the buckets over time, with the same peak
+    // and sizes; window needs single calls and says so.
+    let svg = agg.path.with_extension("svg");
+    let r = run(
+        memptrace().arg("plot").arg(&agg.path).arg("-o").arg(&svg),
+        b"",
+    );
+    assert_eq!((r.code(), r.stderr.as_str()), (0, ""));
+    let texts = crate::support::svg_texts(&svg);
+    for want in [
+        "Heap in use (bytes requested): peak 297.2 KiB in ",
+        "peak 297.2 KiB at ",
+        "Requested sizes of ",
+    ] {
+        assert!(
+            texts.iter().any(|t| t.starts_with(want)),
+            "no {want:?} in {texts:#?}"
+        );
+    }
+    let r = run(
+        memptrace()
+            .arg("window")
+            .arg(&agg.path)
+            .args(["--from", "0", "--to", "1"]),
+        b"",
+    );
+    assert_eq!(r.code(), 1);
+    assert_eq!(
+        r.stderr,
+        format!(
+            "memptrace: {}: recorded with --aggregate: a window needs the single calls, which the trace does not have (its heap over time per stack is in agg_over_time)\n",
+            agg.path.display()
+        )
+    );
 }
 
 /// Leave out of a JSON report what differs between two runs of a program.
