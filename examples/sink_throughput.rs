@@ -16,7 +16,9 @@
 //! last batch was taken (the queue holds 64 batches) and for the whole run
 //! including `finish`; the recorder thread's CPU time, which a busy machine
 //! blurs less than wall time; and the database size per event, indexes
-//! included. Run it a few times: on a shared machine the figures vary by
+//! included. With `SINK_AGGREGATE=1` the sink stores no row per event, as
+//! `memptrace --aggregate`: the recorder's CPU is then the aggregator's
+//! (docs/schema.md, "Aggregates"). Run it a few times: on a shared machine the figures vary by
 //! 20 % from run to run.
 
 use std::path::PathBuf;
@@ -249,7 +251,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     batches.push(batch);
 
     // Generated beforehand, so the clock sees the recorder alone.
-    let sink = SqliteSink::create(&path)?;
+    let mut sink = SqliteSink::create(&path)?;
+    // `SINK_AGGREGATE=1`: as `memptrace --aggregate`, no row per event.
+    let aggregate = std::env::var_os("SINK_AGGREGATE").is_some_and(|v| v == "1");
+    sink.aggregate(aggregate, 100_000_000);
     let started = Instant::now();
     let cpu = Arc::new(Mutex::new(None));
     let recorder = Recorder::spawn(Box::new(Timed {

@@ -30,6 +30,43 @@ fn launch_defaults() {
 }
 
 #[test]
+fn aggregate_and_its_resolution() {
+    let mode = |args: &[&str]| match parse(args) {
+        Ok(Config::Launch { trace, .. } | Config::Attach { trace, .. }) => {
+            (trace.aggregate, trace.resolution_ns)
+        }
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(mode(&["memptrace", "--", "ls"]), (false, 100_000_000));
+    assert_eq!(
+        mode(&["memptrace", "--aggregate", "--", "ls"]),
+        (true, 100_000_000)
+    );
+    assert_eq!(
+        mode(&[
+            "memptrace",
+            "attach",
+            "1",
+            "--aggregate",
+            "--resolution",
+            "10"
+        ]),
+        (true, 10_000_000)
+    );
+    assert_eq!(
+        mode(&["memptrace", "--resolution", "250", "attach", "1"]),
+        (false, 250_000_000)
+    );
+    for bad in ["0", "-1", "x"] {
+        assert!(
+            parse(&["memptrace", "--resolution", bad, "--", "ls"]).is_err(),
+            "{bad}"
+        );
+    }
+    assert!(parse(&["memptrace", "--aggregate", "report", "t.db"]).is_err());
+}
+
+#[test]
 fn max_size() {
     let size = |args: &[&str]| match parse(args) {
         Ok(Config::Launch { trace, .. } | Config::Attach { trace, .. }) => trace.max_size,

@@ -101,6 +101,18 @@ pub struct TraceArgs {
     #[arg(long, value_name = "BYTES", value_parser = parse_size)]
     pub max_size: Option<u64>,
 
+    /// Store no row per call, only what the reports need, exactly: totals
+    /// per stack, thread and function, the blocks live at the end, the peak
+    /// and the blocks live at it, and the heap over time per stack. The
+    /// trace's size grows with the stacks, not with the calls.
+    #[arg(long)]
+    pub aggregate: bool,
+
+    /// Length of a bucket of the heap over time per stack (agg_over_time),
+    /// in milliseconds [default: 100].
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub resolution: Option<u64>,
+
     #[command(flatten)]
     pub wrappers: WrapperArgs,
 }
@@ -146,6 +158,8 @@ impl TraceArgs {
             probes: once("--probes", self.probes, after.probes)?,
             rss_interval: once("--rss-interval", self.rss_interval, after.rss_interval)?,
             max_size: once("--max-size", self.max_size, after.max_size)?,
+            aggregate: self.aggregate || after.aggregate,
+            resolution: once("--resolution", self.resolution, after.resolution)?,
             wrappers: WrapperArgs {
                 wrappers: [self.wrappers.wrappers, after.wrappers.wrappers].concat(),
             },
@@ -170,6 +184,8 @@ impl TraceArgs {
             (self.probes.is_some(), "--probes"),
             (self.rss_interval.is_some(), "--rss-interval"),
             (self.max_size.is_some(), "--max-size"),
+            (self.aggregate, "--aggregate"),
+            (self.resolution.is_some(), "--resolution"),
         ];
         for (given, name) in flags {
             if given {
@@ -205,6 +221,10 @@ pub struct TraceConfig {
     pub rss_interval_ms: u64,
     /// `--max-size`: the database's largest size in bytes.
     pub max_size: Option<u64>,
+    /// `--aggregate`: no row per call, only the aggregate tables.
+    pub aggregate: bool,
+    /// The length of a bucket of `agg_over_time`, in nanoseconds.
+    pub resolution_ns: u64,
 }
 
 impl TraceConfig {
@@ -230,6 +250,8 @@ impl TraceConfig {
             wrappers: a.wrappers.wrappers,
             rss_interval_ms: a.rss_interval.unwrap_or(100),
             max_size: a.max_size,
+            aggregate: a.aggregate,
+            resolution_ns: a.resolution.unwrap_or(100) * 1_000_000,
         }
     }
 }

@@ -5,10 +5,13 @@
 //! a report can run while memptrace is still recording (the database is in
 //! WAL mode then, and a reader never blocks the writer).
 //!
-//! Every command starts from one [`scan::Analysis`]: a single pass over the
-//! events in the order they took effect, which pairs each release with its
-//! allocation (through the `alloc_id` the tracer recorded) and keeps running
-//! sums. It reads the compact `event_log` table under the `events` view
+//! Every command starts from one [`scan::Analysis`]. A trace that has the
+//! aggregate tables memptrace keeps while recording (docs/schema.md,
+//! "Aggregates") gives it in a few small queries ([`aggregated`]); `plot`
+//! and `window` on a full trace, and traces without them, take a single
+//! pass over the events in the order they took effect, which pairs each
+//! release with its allocation (through the `alloc_id` the tracer
+//! recorded) and keeps running sums. It reads the compact `event_log` table under the `events` view
 //! directly, because it is the same program that wrote it and the view's
 //! per-row subqueries (thread, released pointer) cost more than the whole
 //! analysis; [`open`] refuses a schema version it does not know. The stack
@@ -26,6 +29,7 @@
 //!   thread that allocated it (heaptrack's definition);
 //! - **calls** of a stack: calls to the allocating functions (all but `free`).
 
+pub mod aggregated;
 pub mod flame;
 mod heapdraw;
 pub mod heapmap;

@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use super::aggregated::TraceMode;
 use super::scan::Analysis;
 use super::stacks::StackTable;
 use super::summary::Summary;
@@ -27,10 +28,24 @@ fn command(trace: &Trace) -> Result<String, ReportError> {
         .unwrap_or_else(|| trace.path.display().to_string()))
 }
 
+/// The analysis of a trace: from its aggregate tables when it has them,
+/// else by a pass over the events (and a second up to the peak when
+/// `peak` is needed).
+fn analysis_for(trace: &Trace, peak: bool) -> Result<Analysis, ReportError> {
+    if let Some(a) = Analysis::from_aggregates(trace)? {
+        return Ok(a);
+    }
+    let mut a = Analysis::run(trace)?;
+    if peak {
+        a.add_peak(trace)?;
+    }
+    Ok(a)
+}
+
 /// `memptrace report`.
 pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
-    let analysis = Analysis::full(&trace)?;
+    let analysis = Analysis::load(&trace)?;
     let table = StackTable::load(&trace, &options.wrappers)?;
     let summary = Summary::build(&trace, &analysis, &table, options.top)?;
     let out = match options.format {
@@ -49,10 +64,7 @@ pub fn run_report(path: &Path, options: &ReportOptions) -> Result<(), ReportErro
 pub fn run_flamegraph(path: &Path, options: &FlamegraphOptions) -> Result<(), ReportError> {
     check_output(path, &options.output)?;
     let trace = open(path)?;
-    let mut analysis = Analysis::run(&trace)?;
-    if options.metric == super::Metric::Peak {
-        analysis.add_peak(&trace)?;
-    }
+    let analysis = analysis_for(&trace, options.metric == super::Metric::Peak)?;
     let table = StackTable::load(&trace, &options.wrappers)?;
     let lines = flame::folded(&analysis, &table, options.metric);
     let title = format!(
@@ -69,7 +81,17 @@ pub fn run_plot(path: &Path, options: &PlotOptions) -> Result<(), ReportError> {
     check_output(path, &options.output)?;
     plot::Picture::of(&options.output)?;
     let trace = open(path)?;
-    let analysis = Analysis::run(&trace)?;
+    // An aggregate trace has no events: its heap over time is by bucket.
+    let analysis = match TraceMode::of(&trace)? {
+        TraceMode::Aggregate { resolution_ns } => match Analysis::from_aggregates(&trace)? {
+            Some(mut a) => {
+                a.add_timeline(&trace, resolution_ns)?;
+                a
+            }
+            None => Analysis::run(&trace)?,
+        },
+        TraceMode::Full => Analysis::run(&trace)?,
+    };
     let memory = plot::resident(&trace)?;
     let title = format!("memptrace: {}", command(&trace)?);
     plot::draw(
@@ -105,10 +127,8 @@ pub fn run_export(path: &Path, options: &ExportOptions) -> Result<(), ReportErro
 
 /// `export --pprof` and `--collapsed`: from one analysis.
 fn export_profiles(trace: &Trace, options: &ExportOptions) -> Result<(), ReportError> {
-    let mut analysis = Analysis::run(trace)?;
-    if options.collapsed.is_some() && options.metric == super::Metric::Peak {
-        analysis.add_peak(trace)?;
-    }
+    let peak = options.collapsed.is_some() && options.metric == super::Metric::Peak;
+    let analysis = analysis_for(trace, peak)?;
     let table = StackTable::load(trace, &options.wrappers)?;
     if let Some(out) = &options.pprof {
         let profile = pprof::profile(trace, &analysis, &table)?;
@@ -128,6 +148,12 @@ fn export_profiles(trace: &Trace, options: &ExportOptions) -> Result<(), ReportE
 /// `memptrace window`.
 pub fn run_window(path: &Path, options: &WindowOptions) -> Result<(), ReportError> {
     let trace = open(path)?;
+    if let TraceMode::Aggregate { .. } = TraceMode::of(&trace)? {
+        return Err(ReportError::NotInTrace {
+            path: trace.path.clone(),
+            what: "recorded with --aggregate: a window needs the single calls, which the trace does not have (its heap over time per stack is in agg_over_time)".to_string(),
+        });
+    }
     let clamp = |ns: u64| ns.min(i64::MAX as u64) as i64;
     let (from_ns, to_ns) = (clamp(options.from_ns), clamp(options.to_ns));
     // A window past the end of the trace is cut there, and said so.

@@ -38,6 +38,9 @@ pub struct TraceInfo {
     pub events: u64,
     pub processes: u64,
     pub threads: u64,
+    /// Recorded with `--aggregate`: the length of a bucket over time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aggregate_resolution_ns: Option<u64>,
     /// What memptrace warned about while tracing (`meta` rows `warning.N`).
     pub warnings: Vec<String>,
     /// Damage the program did to the memory it shares with memptrace
@@ -83,6 +86,10 @@ impl TraceInfo {
             events: 0,
             processes: count("SELECT count(DISTINCT pid) FROM event_threads")?,
             threads: count("SELECT count(*) FROM event_threads")?,
+            aggregate_resolution_ns: match super::aggregated::TraceMode::of(trace)? {
+                super::aggregated::TraceMode::Aggregate { resolution_ns } => Some(resolution_ns),
+                super::aggregated::TraceMode::Full => None,
+            },
             warnings: trace.warnings()?,
             damaged_records: number("damaged_records")?,
             damaged_slots: number("damaged_slots")?,

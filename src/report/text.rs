@@ -332,6 +332,14 @@ pub fn render(summary: &Summary, style: Style, frames: usize, top: usize) -> Str
     if !traced.is_empty() {
         let _ = writeln!(out, "  traced     {}", traced.join(", "));
     }
+    if let Some(ns) = t.aggregate_resolution_ns {
+        let _ = writeln!(
+            out,
+            "  aggregate  recorded with --aggregate: totals, leaks and peak exact, heap over time \
+             by {}; no row per call (the events views are empty)",
+            seconds(ns as i64)
+        );
+    }
     for warning in &t.warnings {
         let _ = writeln!(out, "  {}    {warning}", style.warning("warning"));
     }

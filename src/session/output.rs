@@ -33,7 +33,18 @@ pub(super) fn start_output(
         ("follow_forks", config.follow_forks.to_string()),
         ("probes", probes_name(config).to_string()),
         ("rss_interval_ms", config.rss_interval_ms.to_string()),
+        (
+            "trace_mode",
+            if config.aggregate {
+                "aggregate"
+            } else {
+                "full"
+            }
+            .to_string(),
+        ),
+        ("agg_resolution_ns", config.resolution_ns.to_string()),
     ];
+    sink.aggregate(config.aggregate, config.resolution_ns);
     let limited = match config.max_size {
         Some(bytes) => sink.limit(bytes),
         None => Ok(()),

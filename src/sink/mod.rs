@@ -2,6 +2,7 @@
 //! [`Recorder`] feeds them, on a thread of its own, to an [`EventSink`]: SQLite
 //! for real traces, memory for tests. Nothing above this module knows SQL.
 
+pub mod aggregate;
 mod memory;
 mod sqlite;
 

@@ -8,6 +8,7 @@
 //! These tests need ptrace rights over a child process; where ptrace is not
 //! allowed they fail, they never skip.
 
+mod aggregate;
 mod api;
 mod attach;
 mod bad_input;

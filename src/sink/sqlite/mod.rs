@@ -10,6 +10,7 @@
 //! statement. Nothing a view needs may be built only by [`EventSink::finish`]:
 //! a trace that never finished must be queryable as it is.
 
+mod aggregates;
 mod heap;
 mod open_blocks;
 mod rows;
@@ -22,6 +23,7 @@ use std::path::Path;
 
 use rusqlite::{Connection, params};
 
+use super::aggregate::Aggregator;
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::Event;
 use open_blocks::OpenBlocks;
@@ -82,7 +84,14 @@ pub struct SqliteSink {
     /// The storage could not grow: the events after the last commit before
     /// that are not stored.
     stopped_growing: bool,
+    /// The reports' figures, kept as the events go by (both modes).
+    aggregator: Aggregator,
+    /// `--aggregate`: no `event_log` rows, only the aggregates.
+    aggregate_only: bool,
 }
+
+/// The default length of a bucket of `agg_over_time`: 100 ms.
+pub const DEFAULT_RESOLUTION_NS: u64 = 100_000_000;
 
 impl SqliteSink {
     /// Open (or create) the database at `path` and create the schema. The file
@@ -138,6 +147,8 @@ impl SqliteSink {
             dir,
             max_size: None,
             stopped_growing: false,
+            aggregator: Aggregator::new(DEFAULT_RESOLUTION_NS),
+            aggregate_only: false,
         })
     }
 
@@ -149,6 +160,14 @@ impl SqliteSink {
             .pragma_update(None, "max_page_count", pages as i64)?;
         self.max_size = Some(bytes);
         Ok(())
+    }
+
+    /// Keep the heap over time in buckets of `resolution_ns`, and, when
+    /// `aggregate_only` (`--aggregate`), store no row per event: only the
+    /// aggregates. Before the first event.
+    pub fn aggregate(&mut self, aggregate_only: bool, resolution_ns: u64) {
+        self.aggregator = Aggregator::new(resolution_ns);
+        self.aggregate_only = aggregate_only;
     }
 
     /// After a failed write the transaction may be gone (SQLite rolls back on
@@ -179,6 +198,10 @@ impl SqliteSink {
 
     fn write_event(&mut self, event: &Event) -> Result<(), SinkError> {
         let thread = self.thread_code(event.pid, event.tid)?;
+        self.aggregator.add(event, thread as u32);
+        if self.aggregate_only {
+            return Ok(());
+        }
         self.open_blocks.record(
             event.id,
             event.op.allocates() && event.ptr != 0,
@@ -386,6 +409,9 @@ impl SqliteSink {
 impl EventSink for SqliteSink {
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
         self.check()?;
+        if let Record::ExecReleased { alloc_ids, .. } = record {
+            self.aggregator.exec_released(alloc_ids);
+        }
         let result = self.begin().and_then(|()| match record {
             Record::Event(event) => self.write_event(event),
             Record::Symbols(symbols) => self.write_symbols(symbols),
@@ -400,8 +426,10 @@ impl EventSink for SqliteSink {
         if !self.in_transaction {
             return Ok(());
         }
+        let over_time = self.aggregator.take_over_time();
         let result = self
             .flush_events()
+            .and_then(|()| aggregates::write_over_time(self.conn()?, &over_time))
             .and_then(|()| Ok(self.conn()?.execute_batch("COMMIT")?));
         self.failed = result.is_err();
         self.in_transaction = false;
@@ -424,6 +452,11 @@ impl EventSink for SqliteSink {
             )?;
         }
         conn.execute_batch(schema::CALL_SITES_AT_FINISH)?;
+        // A full trace whose storage stopped growing lost events the
+        // aggregator saw: its reports read the events stored instead.
+        if self.aggregate_only || !self.stopped_growing {
+            aggregates::write_all(&conn, &mut self.aggregator)?;
+        }
         match self.open_blocks.ids() {
             Some(ids) => {
                 let mut insert = conn.prepare("INSERT INTO open_blocks(alloc_id) VALUES (?)")?;

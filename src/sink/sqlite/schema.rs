@@ -378,6 +378,7 @@ SELECT id, text FROM walk;
 pub fn ddl() -> String {
     let mut sql = String::from(TABLES);
     sql.push_str(super::heap::HEAP_TABLES);
+    sql.push_str(super::aggregates::AGGREGATE_TABLES);
     sql.push_str(&views());
     for op in Op::RECORDED {
         sql.push_str(&format!(

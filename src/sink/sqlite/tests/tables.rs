@@ -25,6 +25,12 @@ fn creates_the_schema() {
         .unwrap();
     names.retain(|n| !n.starts_with("sqlite_"));
     for expected in [
+        "agg_calls",
+        "agg_live",
+        "agg_over_time",
+        "agg_peak",
+        "agg_sizes",
+        "agg_totals",
         "allocations",
         "event_log",
         "event_threads",

@@ -1,0 +1,156 @@
+//! The aggregate tables (docs/schema.md, "Aggregates"): what the
+//! [`Aggregator`] kept while the events went by, written when the trace
+//! ends (`agg_over_time` as its buckets close). In both modes: a full
+//! trace has them beside its events, an `--aggregate` trace instead of them.
+
+use rusqlite::{Connection, params};
+
+use super::SinkError;
+use super::rows::int;
+use crate::sink::aggregate::{Aggregates, Aggregator, OverTimeRow};
+
+/// Tables, created with the rest of the schema. `thread` is an
+/// `event_threads.code`; `op` a function's name, as in `events.op`.
+pub const AGGREGATE_TABLES: &str = "
+CREATE TABLE agg_calls(
+    stack_id INTEGER,
+    thread INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    failed INTEGER NOT NULL,
+    blocks INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    releases INTEGER NOT NULL,
+    temporary INTEGER NOT NULL
+);
+CREATE TABLE agg_live(
+    alloc_id INTEGER PRIMARY KEY,
+    ptr INTEGER NOT NULL,
+    size INTEGER NOT NULL,
+    stack_id INTEGER,
+    thread INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    ts_ns INTEGER NOT NULL
+);
+CREATE TABLE agg_peak(
+    stack_id INTEGER,
+    thread INTEGER NOT NULL,
+    blocks INTEGER NOT NULL,
+    bytes INTEGER NOT NULL
+);
+CREATE TABLE agg_over_time(
+    stack_id INTEGER,
+    bucket_ns INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    blocks INTEGER NOT NULL
+);
+CREATE TABLE agg_sizes(
+    bucket INTEGER PRIMARY KEY,
+    blocks INTEGER NOT NULL
+);
+CREATE TABLE agg_totals(
+    events INTEGER NOT NULL,
+    last_event INTEGER NOT NULL,
+    last_ns INTEGER NOT NULL,
+    peak_bytes INTEGER NOT NULL,
+    peak_blocks INTEGER NOT NULL,
+    peak_event INTEGER NOT NULL,
+    peak_ns INTEGER NOT NULL,
+    exec_released_blocks INTEGER NOT NULL,
+    exec_released_bytes INTEGER NOT NULL,
+    resolution_ns INTEGER NOT NULL
+);
+";
+
+/// Store the buckets of the heap over time closed so far.
+pub fn write_over_time(conn: &Connection, rows: &[OverTimeRow]) -> Result<(), SinkError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO agg_over_time(stack_id, bucket_ns, bytes, blocks) VALUES (?, ?, ?, ?)",
+    )?;
+    for r in rows {
+        insert.execute(params![
+            r.stack.map(int),
+            int(r.bucket_ns),
+            int(r.bytes),
+            int(r.blocks)
+        ])?;
+    }
+    Ok(())
+}
+
+/// Store everything the aggregator kept: the end of a trace. Its last
+/// bucket over time is closed and stored too.
+pub fn write_all(conn: &Connection, aggregator: &mut Aggregator) -> Result<(), SinkError> {
+    let a: Aggregates = aggregator.finish();
+    write_over_time(conn, &aggregator.take_over_time())?;
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO agg_calls(stack_id, thread, op, calls, failed, blocks, bytes, releases, temporary)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )?;
+    for (k, s) in &a.calls {
+        insert.execute(params![
+            k.stack.map(int),
+            k.thread,
+            k.op.name(),
+            int(s.calls),
+            int(s.failed),
+            int(s.blocks),
+            int(s.bytes),
+            int(s.releases),
+            int(s.temporary)
+        ])?;
+    }
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO agg_live(alloc_id, ptr, size, stack_id, thread, op, ts_ns)
+         VALUES (?, ?, ?, ?, ?, ?, ?)",
+    )?;
+    for b in &a.live {
+        insert.execute(params![
+            int(b.alloc_id),
+            int(b.ptr),
+            int(b.size),
+            b.stack.map(int),
+            b.thread,
+            b.op.name(),
+            int(b.ts_ns)
+        ])?;
+    }
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO agg_peak(stack_id, thread, blocks, bytes) VALUES (?, ?, ?, ?)",
+    )?;
+    for r in &a.at_peak {
+        insert.execute(params![
+            r.stack.map(int),
+            r.thread,
+            int(r.blocks),
+            int(r.bytes)
+        ])?;
+    }
+    let mut insert = conn.prepare_cached("INSERT INTO agg_sizes(bucket, blocks) VALUES (?, ?)")?;
+    for (bucket, &blocks) in a.sizes.iter().enumerate() {
+        if blocks > 0 {
+            insert.execute(params![bucket as i64, int(blocks)])?;
+        }
+    }
+    conn.prepare_cached(
+        "INSERT INTO agg_totals(events, last_event, last_ns, peak_bytes, peak_blocks, peak_event,
+             peak_ns, exec_released_blocks, exec_released_bytes, resolution_ns)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )?
+    .execute(params![
+        int(a.events),
+        int(a.last_event),
+        int(a.last_ns),
+        int(a.peak.bytes),
+        int(a.peak.blocks),
+        int(a.peak.event),
+        int(a.peak.ts_ns),
+        int(a.exec_released_blocks),
+        int(a.exec_released_bytes),
+        int(aggregator.resolution_ns())
+    ])?;
+    Ok(())
+}
