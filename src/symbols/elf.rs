@@ -266,7 +266,7 @@ impl ElfImage {
                 .collect(),
             got_slots: BTreeMap::new(),
             syscall_insn: None,
-            code_padding: code_padding(&elf),
+            code_padding: super::room::code_padding(&elf),
         };
         if let Some(eh) = &image.eh_frame {
             let text = image.text.as_ref().map(|t| t.start);
@@ -275,7 +275,7 @@ impl ElfImage {
         image.set_debug_frame(section_data(".debug_frame"));
         image.collect_symbols(&elf, &FoundBy::Symbol);
         image.collect_got_slots(&elf);
-        image.syscall_insn = find_syscall_insn(&elf, bytes);
+        image.syscall_insn = super::room::find_syscall_insn(&elf, bytes);
         Ok(image)
     }
 
@@ -489,64 +489,6 @@ pub(crate) fn build_id(elf: &Elf, bytes: &[u8]) -> Option<String> {
     for note in notes.flatten() {
         if note.n_type == goblin::elf::note::NT_GNU_BUILD_ID && note.name == "GNU" {
             return Some(note.desc.iter().map(|b| format!("{b:02x}")).collect());
-        }
-    }
-    None
-}
-
-/// The widest padding after an executable `PT_LOAD` segment to the end of
-/// its last page, where no other segment is mapped (see
-/// [`ElfImage::code_padding`]).
-fn code_padding(elf: &Elf) -> Option<Range<u64>> {
-    const PAGE: u64 = 4096;
-    let loads: Vec<(u64, u64)> = elf
-        .program_headers
-        .iter()
-        .filter(|ph| ph.p_type == program_header::PT_LOAD)
-        .filter_map(|ph| {
-            let end = ph.p_vaddr.checked_add(ph.p_memsz.max(ph.p_filesz))?;
-            Some((ph.p_vaddr, end))
-        })
-        .collect();
-    let mut best: Option<Range<u64>> = None;
-    for ph in elf.program_headers.iter() {
-        if ph.p_type != program_header::PT_LOAD || ph.p_flags & program_header::PF_X == 0 {
-            continue;
-        }
-        let Some(end) = ph.p_vaddr.checked_add(ph.p_memsz.max(ph.p_filesz)) else {
-            continue;
-        };
-        let Some(page_end) = end.checked_next_multiple_of(PAGE) else {
-            continue;
-        };
-        // Another segment's pages over the padding replace it when mapped.
-        let shared = loads.iter().any(|&(start, stop)| {
-            start != ph.p_vaddr
-                && start / PAGE * PAGE < page_end
-                && stop.checked_next_multiple_of(PAGE).unwrap_or(u64::MAX) > end
-        });
-        if !shared
-            && page_end > end
-            && best
-                .as_ref()
-                .is_none_or(|b| page_end - end > b.end - b.start)
-        {
-            best = Some(end..page_end);
-        }
-    }
-    best
-}
-
-fn find_syscall_insn(elf: &Elf, bytes: &[u8]) -> Option<Svma> {
-    for ph in elf.program_headers.iter() {
-        if ph.p_type != program_header::PT_LOAD || ph.p_flags & program_header::PF_X == 0 {
-            continue;
-        }
-        let start = ph.p_offset as usize;
-        let end = start.saturating_add(ph.p_filesz as usize).min(bytes.len());
-        let code = bytes.get(start..end)?;
-        if let Some(pos) = code.windows(2).position(|w| w == [0x0f, 0x05]) {
-            return Some(Svma(ph.p_vaddr + pos as u64));
         }
     }
     None

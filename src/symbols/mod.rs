@@ -11,5 +11,6 @@ pub mod elf;
 pub mod height;
 pub mod locate;
 pub mod names;
+mod room;
 pub mod signatures;
 pub mod symbolize;
