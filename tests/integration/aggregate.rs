@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::support::{Trace, Variant, memptrace, run, trace, trace_program, tracee};
+use crate::support::{
+    Trace, Variant, memptrace, run, trace, trace_program, trace_program_env, tracee,
+};
 
 /// Rows of a query of text keys and integer values, in order.
 fn rows(t: &Trace, sql: &str) -> Vec<(String, Vec<i64>)> {
@@ -159,13 +161,26 @@ fn from_events(t: &Trace) -> Figures {
     out
 }
 
-/// On a full trace, the aggregate tables hold exactly what SQL over the
-/// events finds: phases.c (several stacks, temporary blocks, leaks, a
-/// known peak) and threads.c (eight threads).
+/// A full trace that also keeps the aggregates (`MEMPTRACE_AGGREGATE_FULL`,
+/// a debug knob: a full trace keeps none, docs/schema.md): its aggregate
+/// tables hold exactly what SQL over its events finds: phases.c (several
+/// stacks, temporary blocks, leaks, a known peak) and threads.c (eight
+/// threads).
+fn full_with_aggregates(name: &str, args: &[&str]) -> Trace {
+    let t = trace_program_env(
+        &tracee(Variant::Dynamic, name),
+        args,
+        &[],
+        &[("MEMPTRACE_AGGREGATE_FULL", "1")],
+    );
+    t.assert_sound();
+    t
+}
+
 #[test]
 fn aggregate_tables_equal_sql_over_the_events() {
     for (name, args) in [("phases", &[][..]), ("threads", &["4", "500"][..])] {
-        let t = trace(Variant::Dynamic, name, args, &[]);
+        let t = full_with_aggregates(name, args);
         assert_eq!(t.run.code(), 0, "{name}: {}", t.run.stderr);
         assert_eq!(t.meta("trace_mode").as_deref(), Some("full"));
         assert_eq!(t.meta("agg_resolution_ns").as_deref(), Some("100000000"));
@@ -187,7 +202,7 @@ fn aggregate_tables_equal_sql_over_the_events() {
         assert_eq!(rows(&t, last), rows(&t, leaked), "{name}");
     }
     // phases.c's own truth: the peak.
-    let t = trace(Variant::Dynamic, "phases", &[], &[]);
+    let t = full_with_aggregates("phases", &[]);
     let peak: i64 = t
         .run
         .stdout
@@ -211,8 +226,11 @@ fn aggregate_trace_matches_the_full_trace() {
     assert_eq!(agg.run.stderr, "");
     assert_eq!(agg.run.stdout, full.run.stdout);
     assert_eq!(agg.meta("trace_mode").as_deref(), Some("aggregate"));
+    // What the aggregate trace kept is what SQL finds over the full
+    // trace's events; the full trace keeps no aggregates.
     let a = aggregates(&agg);
-    assert_eq!(a, aggregates(&full));
+    assert_eq!(a, from_events(&full));
+    assert_eq!(full.int("SELECT count(*) FROM agg_totals"), 0);
     assert!(a["calls"].len() >= 8, "{:?}", a["calls"]);
     assert!(!a["live"].is_empty() && !a["peak"].is_empty());
     for view in ["events", "allocations", "leaks", "temporary"] {

@@ -67,6 +67,18 @@ fn killed_at(tracer: Background, pid: i32, k: u32) {
     assert_eq!(proc_status(pid, "TracerPid").as_deref(), Some("0"));
 }
 
+/// The victim, let go by a dead memptrace at moment `k`, runs on for a
+/// while untraced (through the probes' pages, if any are left), then ends
+/// on SIGTERM with its own verdict: exit 0, nothing damaged.
+fn runs_on_unharmed(victim: Background, k: u32) {
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    victim.signal(libc::SIGTERM);
+    let end = victim.finish();
+    assert_eq!(end.stderr, "", "k = {k}: the victim found damage");
+    assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stdout);
+    assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+}
+
 /// The tracee's own verdict: exit 0, nothing damaged.
 fn assert_unharmed(end: &Run) {
     assert_eq!(end.code(), 0, "{}\n{}", end.stdout, end.stderr);
@@ -260,13 +272,7 @@ fn sigkill_of_memptrace_in_the_first_or_last_injected_call() {
                 .arg(&db),
         );
         killed_at(tracer, pid, k);
-        // Running on for a while untraced.
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        victim.signal(libc::SIGTERM);
-        let end = victim.finish();
-        assert_eq!(end.stderr, "", "k = {k}: the victim found damage");
-        assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stdout);
-        assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+        runs_on_unharmed(victim, k);
     }
 }
 
@@ -301,12 +307,6 @@ fn sigkill_of_memptrace_while_it_detaches() {
                 .arg(&db),
         );
         killed_at(tracer, pid, k);
-        // Running on for a while untraced, through the probes' pages.
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        victim.signal(libc::SIGTERM);
-        let end = victim.finish();
-        assert_eq!(end.stderr, "", "k = {k}: the victim found damage");
-        assert_eq!(end.code(), 0, "k = {k}: {:?}\n{}", end.status, end.stdout);
-        assert!(end.stdout.contains(" 0 damaged"), "k = {k}: {}", end.stdout);
+        runs_on_unharmed(victim, k);
     }
 }

@@ -584,6 +584,16 @@ pub struct Trace {
 
 /// Trace `program args` with memptrace `options` into a fresh database.
 pub fn trace_program(program: &Path, args: &[&str], options: &[&str]) -> Trace {
+    trace_program_env(program, args, options, &[])
+}
+
+/// The same, with variables `env` set for memptrace (debug knobs).
+pub fn trace_program_env(
+    program: &Path,
+    args: &[&str],
+    options: &[&str],
+    env: &[(&str, &str)],
+) -> Trace {
     let dir = scratch(program.file_name().unwrap().to_str().unwrap());
     let path = dir.join("trace.db");
     // Not cargo's LD_LIBRARY_PATH: static glibc copies it at start-up
@@ -592,6 +602,7 @@ pub fn trace_program(program: &Path, args: &[&str], options: &[&str]) -> Trace {
     let run = run(
         memptrace()
             .env_remove("LD_LIBRARY_PATH")
+            .envs(env.iter().copied())
             .arg("-o")
             .arg(&path)
             .args(options)
