@@ -224,11 +224,23 @@ impl Tracer {
         pids
     }
 
-    /// Just after the detach, the processes `pids` running again.
+    /// Just after the detach, the processes `pids` running again. A
+    /// running process changes its heap as memptrace reads it: an arena
+    /// that looks damaged though no thread held it may have been read
+    /// half-changed (a thread between its lock and the read, or in a
+    /// `free` whose trim shrank the heap before `system_mem`), so it is read
+    /// again, twice at most, before the damage is believed.
     pub(super) fn map_heaps_after_detach(&mut self, pids: Vec<Tid>) {
         for pid in pids {
-            let ts_ns = self.now_ns();
-            let map = read_heap(pid, &self.heap_facts);
+            let mut ts_ns = self.now_ns();
+            let mut map = read_heap(pid, &self.heap_facts);
+            for _ in 0..2 {
+                if !map.as_ref().is_ok_and(|m| damaged(m).is_some()) {
+                    break;
+                }
+                ts_ns = self.now_ns();
+                map = read_heap(pid, &self.heap_facts);
+            }
             self.send_heap(pid, ts_ns, "detach", map);
         }
     }
@@ -237,16 +249,7 @@ impl Tracer {
         if let Ok(map) = &map {
             let errors = walk_errors(map);
             self.stats.heap_walk_errors += errors;
-            // A free mutex proves nothing where glibc takes none: a process
-            // that never made a thread (it has no arena but the main one)
-            // runs the allocator unlocked, and a thread stopped inside it
-            // leaves the main arena half-changed, not damaged.
-            let locks = map.arenas.len() > 1;
-            let damaged = map
-                .arenas
-                .iter()
-                .find(|a| a.error.is_some() && !a.locked && !a.changing && (locks || !a.main));
-            if let Some(a) = damaged {
+            if let Some(a) = damaged(map) {
                 self.stats.warnings.push(format!(
                     "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \
                      arena {:#x}, which no thread held, is damaged: {}",
@@ -263,6 +266,18 @@ impl Tracer {
         };
         self.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
     }
+}
+
+/// An arena of `map` that could not be read though no thread held it: its
+/// heap is damaged. A free mutex proves nothing where glibc takes none: a
+/// process that never made a thread (it has no arena but the main one) runs
+/// the allocator unlocked, and a thread stopped inside it leaves the main
+/// arena half-changed, not damaged.
+fn damaged(map: &HeapMap) -> Option<&crate::heap::Arena> {
+    let locks = map.arenas.len() > 1;
+    map.arenas
+        .iter()
+        .find(|a| a.error.is_some() && !a.locked && !a.changing && (locks || !a.main))
 }
 
 /// Walk the heap copied at attach and book the blocks live in it in
