@@ -24,6 +24,11 @@
 //!    all be in the trace (a full ring makes the program wait).
 //! 5. The recorder alone (events/s), bytes per event of the databases, and
 //!    memptrace's peak RSS for 10 M events.
+//! 6. With `--scale` (and nothing else): issue 19's scale section
+//!    (`scale/`): tracee-tests/scale.c at 1 M, 10 M and 100 M calls
+//!    (`--scale-calls` to choose) under memptrace (full and `--aggregate`)
+//!    and heaptrack; what reading each trace costs against heaptrack_print;
+//!    real programs (python3, perl, node, java) and `make -j2` under `-f`.
 //!
 //! Every memptrace trace is checked: each malloc and free of a loop is in
 //! the database with the stack its options promise, and the traces of one
@@ -38,6 +43,7 @@ mod programs;
 mod recorder;
 mod report;
 mod runs;
+mod scale;
 mod tables;
 
 use std::path::{Path, PathBuf};
@@ -160,6 +166,25 @@ fn main() {
     if let Some(n) = value_of(&args, "--rss-events") {
         plan.rss_events = n;
     }
+    // `--scale`: issue 19's scale section alone (an hour with 100 M calls).
+    if bench && args.iter().any(|a| a == "--scale") {
+        let mut scale = scale_plan(&args);
+        if args.iter().any(|a| a == "--quick") {
+            scale.calls.truncate(1);
+            scale.real_rounds = 1;
+        }
+        match scale::run(&scale, &work_dir().join("scale")) {
+            Ok(figures) => {
+                progress("done");
+                print!("{}", figures.render());
+            }
+            Err(err) => {
+                eprintln!("overhead: {err}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if let Err(err) = run(plan, bench) {
         eprintln!("overhead: {err}");
         std::process::exit(1);
@@ -171,6 +196,21 @@ fn progress(what: &str) {
     static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     let start = START.get_or_init(std::time::Instant::now);
     eprintln!("overhead: {:6.1} s: {what}", start.elapsed().as_secs_f64());
+}
+
+/// The scale section's sizes: `--scale-calls 1000000,10000000` or 1 M, 10 M, 100 M.
+fn scale_plan(args: &[String]) -> scale::ScalePlan {
+    let calls = args
+        .iter()
+        .position(|a| a == "--scale-calls")
+        .and_then(|at| args.get(at + 1))
+        .map(|list| list.split(',').filter_map(|n| n.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1_000_000, 10_000_000, 100_000_000]);
+    scale::ScalePlan {
+        calls,
+        external: true,
+        real_rounds: 3,
+    }
 }
 
 fn value_of(args: &[String], name: &str) -> Option<u64> {
@@ -319,6 +359,16 @@ fn run(plan: Plan, bench: bool) -> Result<(), String> {
         let replay = recorder::replay(&source, &dir.join("replay.db"), plan.replay_events)?;
         figures.replay = Some(replay);
     }
+    let mut scale_tables = String::new();
+    if !bench {
+        // The smoke test of the scale section: small, no other tool.
+        let smoke = scale::ScalePlan {
+            calls: vec![20_000],
+            external: false,
+            real_rounds: 0,
+        };
+        scale_tables = scale::run(&smoke, &dir.join("scale"))?.render();
+    }
     progress("done");
     figures.load_after = report::load_average();
     figures.plan = format!(
@@ -342,6 +392,6 @@ fn run(plan: Plan, bench: bool) -> Result<(), String> {
         plan.bare_stops,
         plan.rounds
     );
-    print!("{}", figures.render(bench));
+    print!("{}{scale_tables}", figures.render(bench));
     Ok(())
 }
