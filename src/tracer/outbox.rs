@@ -44,6 +44,28 @@ pub struct Outbox {
     open: Box<CallBatch>,
     /// Calls with their frames in `batch` and `open`.
     calls: usize,
+    /// How far the batch grows before it is worth sending: one batch's
+    /// worth, or, after the pipeline's queue was found full, one more
+    /// batch's worth than it held then. (Trying again at every call closed
+    /// the open batch of calls each time: a message of one or two calls,
+    /// three allocations each, most of the tracer thread's time.)
+    due: Due,
+}
+
+/// Sizes at which the batch is worth sending (see [`Outbox::full`]).
+#[derive(Clone, Copy)]
+struct Due {
+    messages: usize,
+    calls: usize,
+    bytes: usize,
+}
+
+impl Due {
+    const FIRST: Due = Due {
+        messages: BATCH,
+        calls: BATCH,
+        bytes: BATCH_BYTES,
+    };
 }
 
 impl Outbox {
@@ -56,6 +78,7 @@ impl Outbox {
             awaiting: BTreeMap::new(),
             open: Box::default(),
             calls: 0,
+            due: Due::FIRST,
         }
     }
 
@@ -128,7 +151,9 @@ impl Outbox {
 
     /// The batch is worth sending.
     pub fn full(&self) -> bool {
-        self.batch.len() >= BATCH || self.bytes >= BATCH_BYTES || self.calls >= BATCH
+        self.batch.len() >= self.due.messages
+            || self.bytes >= self.due.bytes
+            || self.calls >= self.due.calls
     }
 
     pub fn awaiting_copies(&self) -> bool {
@@ -192,11 +217,88 @@ impl Outbox {
         } else if let Some(mut back) = self.pipeline.try_send(batch)? {
             back.append(&mut self.batch);
             self.batch = back;
+            self.due = Due {
+                messages: self.batch.len() + BATCH,
+                calls: self.calls + BATCH,
+                bytes: self.bytes + BATCH_BYTES,
+            };
             return Ok(());
         }
         self.sent += n as u64;
         self.bytes = 0;
         self.calls = 0;
+        self.due = Due::FIRST;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::sync_channel;
+
+    use super::*;
+    use crate::event::Op;
+
+    fn event(id: u64) -> Event {
+        Event {
+            id,
+            ts_ns: id,
+            pid: 1,
+            tid: 1,
+            op: Op::Malloc,
+            ptr: 0x1000 + 16 * id,
+            size: Some(16),
+            old_ptr: None,
+            align: None,
+            alloc_id: None,
+            stack_id: None,
+        }
+    }
+
+    /// While the pipeline's queue is full the tracer offers the batch after
+    /// every call it reads (rings.rs): the calls must still travel in
+    /// batches of about `BATCH`, not in messages of one call each, and
+    /// none may be lost or reordered.
+    #[test]
+    fn a_full_queue_keeps_calls_in_whole_batches() {
+        let (tx, rx) = sync_channel(1);
+        tx.send(vec![TraceMsg::Calls(Box::default())]).unwrap();
+        let mut out = Outbox::new(PipelineHandle::to_channel(tx));
+        let calls = 3 * BATCH as u64;
+        for id in 0..calls {
+            out.push_frames(
+                event(id),
+                &[0x401000, 0x402000],
+                WalkEnd::Outermost,
+                false,
+                0,
+                false,
+            );
+            if out.full() {
+                out.send_ready(false).unwrap();
+            }
+        }
+        assert!(rx.try_recv().is_ok(), "the batch that filled the queue");
+        out.send_ready(true).unwrap();
+        let sent = rx.try_recv().unwrap();
+        let batches: Vec<&CallBatch> = sent
+            .iter()
+            .map(|msg| match msg {
+                TraceMsg::Calls(batch) => batch.as_ref(),
+                _ => panic!("only calls were pushed"),
+            })
+            .collect();
+        assert_eq!(batches.len(), 3, "one message per BATCH calls");
+        let ids: Vec<u64> = batches
+            .iter()
+            .flat_map(|b| b.calls.iter().map(|c| c.event.id))
+            .collect();
+        assert_eq!(ids, (0..calls).collect::<Vec<_>>());
+        for batch in batches {
+            for call in &batch.calls {
+                assert_eq!(batch.frames[call.frames.clone()], [0x401000, 0x402000]);
+            }
+        }
+        drop(out);
     }
 }

@@ -117,6 +117,16 @@ impl PipelineHandle {
         }
     }
 
+    /// A handle whose batches go to `tx`, with no thread behind it: for
+    /// unit tests of what sends them.
+    #[cfg(test)]
+    pub fn to_channel(tx: SyncSender<Vec<TraceMsg>>) -> PipelineHandle {
+        PipelineHandle {
+            tx: Some(tx),
+            thread: None,
+        }
+    }
+
     pub fn send(&self, batch: Vec<TraceMsg>) -> Result<(), SinkError> {
         if batch.is_empty() {
             return Ok(());
