@@ -32,6 +32,7 @@ mod inject;
 mod jumps;
 mod ledger;
 mod mappings;
+mod merge;
 mod outbox;
 pub mod pauses;
 mod probes;
@@ -41,6 +42,7 @@ mod space;
 mod stop;
 mod stopping;
 mod stops;
+mod target;
 
 use std::collections::HashMap;
 use std::io;
@@ -56,12 +58,13 @@ use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use ledger::Ledger;
+use merge::TscClock;
 use outbox::Outbox;
 use process::{Family, Process, Role, Thread};
-use rings::TscClock;
 use space::Catch;
 use stop::Stopped;
 use stops::Stops;
+use target::{Live, Target};
 
 pub use probes::int3::RelocateError;
 
@@ -240,6 +243,8 @@ pub struct Tracer {
     heap_facts: heap::Facts,
     stats: TraceStats,
     control: Control,
+    /// What the tracer changes threads and memory through (see [`target`]).
+    target: Live,
 }
 
 impl Tracer {
@@ -295,6 +300,7 @@ impl Tracer {
                 deadline,
                 walking: None,
             },
+            target: Live,
         }
     }
 
@@ -363,14 +369,14 @@ impl Tracer {
         // The heartbeat is fresh whenever a thread runs (after an attach
         // that kept every thread stopped for longer than a beat, too).
         self.beat();
-        Ok(ptrace::unless_gone(ptrace::cont(tid, sig))?)
+        Ok(ptrace::unless_gone(self.target.cont(tid, sig))?)
     }
 
     /// Resume a thread from its first stop: a group-stop is not ended (the
     /// thread stays stopped, listening for SIGCONT, as it would untraced).
     fn resume_from(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
         match Stopped::of(stop) {
-            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
+            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(self.target.listen(tid))?),
             _ => self.resume(tid, 0),
         }
     }

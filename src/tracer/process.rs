@@ -45,7 +45,7 @@ pub struct Process {
     /// The user was told its program has nothing to hook.
     pub warned: bool,
     /// Records of its jump probes waiting for their turn.
-    pub merge: super::rings::Merge,
+    pub merge: super::merge::Merge,
     /// A vfork child: the thread of its parent whose slot records nothing
     /// while the child runs on the parent's stack.
     pub paused: Option<Tid>,

@@ -1,6 +1,6 @@
 //! What the jump probes recorded: read from every thread's ring, put back
-//! in the order the calls took effect, and booked like the calls the int3
-//! probes catch.
+//! in the order the calls took effect ([`super::merge`]), and booked like
+//! the calls the int3 probes catch.
 //!
 //! Each record carries a sequence number the probe took from the address
 //! space's counter (`lock xadd`) just before it committed the record, so
@@ -13,103 +13,14 @@
 //! (a signal handler that longjmps out of a probe): after a while, or once
 //! every thread stands still outside the probes, the hole is skipped.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::Tracer;
 use super::ledger::CallFacts;
-use super::probes::jump::control::{Damaged, Pulled, Record};
-use super::probes::jump::decode;
+use super::probes::jump::control::{Damaged, Record};
 use super::probes::jump::layout::{Called, record};
-use crate::os::local;
 use crate::os::ptrace::Tid;
 use crate::trace_msg::WalkEnd;
-
-/// How long records wait for a missing sequence number.
-const GAP_PATIENCE: Duration = Duration::from_millis(500);
-
-/// How far outside the trace a probe's timestamp may seem to lie (the
-/// counter's rate is measured, and the cores' counters may differ a
-/// little) before it is taken as written by the program.
-pub const CLOCK_SLACK: Duration = Duration::from_secs(1);
-
-/// Records of one address space waiting for their turn.
-#[derive(Debug, Default)]
-pub struct Merge {
-    /// Sorted by sequence number; the first is above `next`.
-    held: Pulled,
-    /// The buffer records are read into, kept with its room from one
-    /// reading to the next (a fresh one grew, and faulted in its pages,
-    /// every time: a tenth of the tracer thread's time).
-    spare: Pulled,
-    /// The next sequence number to record.
-    next: u64,
-    /// Since when the first held record waits for a missing number.
-    gap_since: Option<Instant>,
-}
-
-/// The probes' clock (the CPU's time-stamp counter) in the trace's
-/// nanoseconds: measured against the trace's clock at the start and again
-/// as the trace goes on, and never going back.
-#[derive(Debug)]
-pub struct TscClock {
-    tsc0: u64,
-    ns0: u64,
-    ticks_per_ns: f64,
-    last_ns: u64,
-}
-
-impl TscClock {
-    /// Calibrate against `now_ns` (the trace's clock), over a few
-    /// milliseconds.
-    pub fn calibrate(now_ns: impl Fn() -> u64) -> TscClock {
-        let (ns0, tsc0) = (now_ns(), local::tsc());
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_millis(5) {
-            std::hint::spin_loop();
-        }
-        let mut clock = TscClock {
-            tsc0,
-            ns0,
-            ticks_per_ns: 1.0,
-            last_ns: 0,
-        };
-        clock.refine(now_ns(), local::tsc());
-        clock
-    }
-
-    /// Measure the rate again over the whole trace so far.
-    pub fn refine(&mut self, now_ns: u64, tsc: u64) {
-        let (ns, ticks) = (
-            now_ns.saturating_sub(self.ns0),
-            tsc.saturating_sub(self.tsc0),
-        );
-        if ns > 0 && ticks > 0 {
-            self.ticks_per_ns = ticks as f64 / ns as f64;
-        }
-    }
-
-    /// Counter ticks in `d`, at the rate measured so far.
-    pub fn ticks_in(&self, d: Duration) -> u64 {
-        (self.ticks_per_ns * d.as_nanos() as f64) as u64
-    }
-
-    /// The trace time of counter value `tsc`, read by memptrace at trace
-    /// time `now_ns` (or later): never past `now_ns`, nor before the last
-    /// time given. `None` for a value that lies more than [`CLOCK_SLACK`]
-    /// outside the trace: a time the program wrote, not a probe.
-    pub fn ns_within(&mut self, tsc: u64, now_ns: u64) -> Option<u64> {
-        let ticks = i128::from(tsc) - i128::from(self.tsc0);
-        let ns = self.ns0 as f64 + ticks as f64 / self.ticks_per_ns;
-        let slack = CLOCK_SLACK.as_nanos() as f64;
-        if !(ns >= self.ns0 as f64 - slack && ns <= now_ns as f64 + slack) {
-            return None;
-        }
-        // In range: the float fits (saturating `as` for the rest).
-        let ns = (ns.max(0.0) as u64).min(now_ns).max(self.last_ns);
-        self.last_ns = ns;
-        Some(ns)
-    }
-}
 
 impl Tracer {
     /// Read the rings of every process and book what can be booked in order.
@@ -137,55 +48,13 @@ impl Tracer {
             return 0;
         };
         let probe = |id: u16, what| probes.get(usize::from(id)).is_some_and(|p| p.records(what));
-        let merge = &mut process.merge;
-        let mut pulled = std::mem::take(&mut merge.spare);
-        pulled.extend_from(&merge.held, &merge.held.records);
-        merge.held.clear();
-        let before = pulled.records.len();
-        for (slot, tid) in control.used_slots() {
-            control.pull(slot, tid, &probe, &mut pulled);
-        }
-        let read = pulled.records.len() - before;
-        if read > 0 {
-            pulled.records.sort_unstable_by_key(|r| r.seq);
-        }
-        let screened = decode::screen_seqs(&mut pulled.records, merge.next);
-        if screened > 0 {
-            control.damaged.records += screened;
-            let next = merge.next;
-            control.damaged.note(|| {
-                format!("{screened} records numbered far past the next number {next}, or twice")
-            });
-        }
-        let damaged = std::mem::take(&mut control.damaged);
-        // Every gap is skipped once the threads stand still; else one, once
-        // it has waited long enough.
-        let gaps = if settle {
-            usize::MAX
-        } else {
-            usize::from(merge.gap_since.is_some_and(|t| t.elapsed() >= GAP_PATIENCE))
-        };
-        let order = decode::in_order(pulled.records.iter().map(|r| r.seq), merge.next, gaps);
-        merge.next = order.next;
-        if order.waiting {
-            if order.take > 0 || order.skipped > 0 {
-                merge.gap_since = Some(Instant::now());
-            } else {
-                merge.gap_since.get_or_insert_with(Instant::now);
-            }
-        } else {
-            merge.gap_since = None;
-        }
-        merge
-            .held
-            .extend_from(&pulled, &pulled.records[order.take..]);
-        pulled.records.truncate(order.take);
-        self.stats.skipped_records = self.stats.skipped_records.saturating_add(order.skipped);
-        self.stats.damaged.add(&damaged);
+        let mut merged = process.merge.read(control, &probe, settle, Instant::now());
+        self.stats.skipped_records = self.stats.skipped_records.saturating_add(merged.skipped);
+        self.stats.damaged.add(&merged.damaged);
         // Every record read was committed before now.
         let now_ns = self.now_ns();
-        for record in &pulled.records {
-            self.book_record(pid, record, pulled.frames(record), now_ns);
+        for record in &merged.ready.records {
+            self.book_record(pid, record, merged.ready.frames(record), now_ns);
             // One reading can bring thousands of calls (a ring holds 1 MiB):
             // they go in batches of the usual size, so that what waits for
             // the pipeline and the recorder stays bounded. (If the pipeline
@@ -194,11 +63,11 @@ impl Tracer {
                 let _ = self.flush();
             }
         }
-        pulled.clear();
+        merged.ready.clear();
         if let Some(process) = self.family.processes.get_mut(&pid) {
-            process.merge.spare = pulled;
+            process.merge.give_back(merged.ready);
         }
-        read
+        merged.read
     }
 
     /// Book one record of process `pid`, with its frames.

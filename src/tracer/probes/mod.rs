@@ -13,20 +13,18 @@
 //!   planted safely, an int3 whose stop sends the thread to the same code).
 //!
 //! Planting and restoring are the only two ways code changes: a hook
-//! remembers the bytes its patch covers, and [`Hooks::restore_all`] (detach)
-//! or [`Hooks::restore_into`] (a forked child that is not traced) put every
-//! one of them back.
+//! remembers the bytes its patch covers, and the space writes the patch
+//! and puts every one of them back (`Space::restore_all` at a detach,
+//! `Space::restore_into` in a forked child that is not traced).
 
 pub mod int3;
 pub mod jump;
 
 use std::collections::HashMap;
-use std::io;
 use std::ops::Range;
 
 use crate::event::{MapOp, Op};
 use crate::memory::Memory;
-use crate::os::mem::CodeWriter;
 use crate::os::ptrace::Regs;
 use int3::{Displaced, InStub, RETURN_INT3};
 
@@ -132,14 +130,6 @@ impl Hooks {
         self.by_addr.get(self.misses.get(&at)?)
     }
 
-    /// Write the probe's patch over the entry (its code is in place) and
-    /// book the hook.
-    pub fn plant(&mut self, mem: &CodeWriter, hook: Hook) -> io::Result<()> {
-        mem.write(hook.addr, &hook.probe.patch(hook.addr))?;
-        self.book(hook);
-        Ok(())
-    }
-
     /// Book a hook whose patch is already in the code (a forked child's
     /// copy of its parent's).
     pub fn book(&mut self, hook: Hook) {
@@ -168,22 +158,6 @@ impl Hooks {
         self.by_addr.clear();
         self.returns.clear();
         self.misses.clear();
-    }
-
-    /// Put every original byte back (before detaching).
-    pub fn restore_all(&mut self, mem: &CodeWriter) -> io::Result<()> {
-        self.restore_into(mem)?;
-        self.clear();
-        Ok(())
-    }
-
-    /// Put every original byte back through `mem`: this space's, or that of
-    /// a forked child, which has a copy of the same code.
-    pub fn restore_into(&self, mem: &CodeWriter) -> io::Result<()> {
-        for hook in self.by_addr.values() {
-            mem.write(hook.addr, &hook.orig)?;
-        }
-        Ok(())
     }
 
     /// Move a thread stopped with `regs` out of probe code, to the same place

@@ -50,7 +50,7 @@ impl Space {
             .cloned()
             .collect();
         for hook in &jumps {
-            self.mem.write(hook.addr, &hook.orig)?;
+            self.mem.write_code(hook.addr, &hook.orig)?;
             self.hooks.forget_in(&(hook.addr..hook.addr + 1));
         }
         // From here on the space is one of int3 probes: images mapped later
@@ -108,7 +108,7 @@ impl Space {
     ) -> Result<(), SpaceError> {
         probe_calls(tid)?;
         let name = self.room_near(tid, near, maps, 16, signals)?;
-        self.mem.write(name, b"memptrace\0")?;
+        self.mem.write_code(name, b"memptrace\0")?;
         let via = self
             .via()
             .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
@@ -136,7 +136,7 @@ impl Space {
             .areas
             .take_anywhere(16)
             .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
-        self.mem.write(at, b"memptrace\0")?;
+        self.mem.write_code(at, b"memptrace\0")?;
         Ok(at)
     }
 }

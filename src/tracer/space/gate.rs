@@ -6,7 +6,6 @@
 
 use super::images::LoadedModule;
 use super::{Space, SpaceError};
-use crate::memory::Memory;
 use crate::os::procfs::Mapping;
 use crate::os::ptrace::Tid;
 use crate::tracer::probes::jump::{liveness, plan};
@@ -51,7 +50,7 @@ impl Space {
         let mut orig = vec![0u8; plan::JUMP_LEN as usize];
         self.mem.read_exact(plan.at, &mut orig)?;
         // The gate first, then the jump to it.
-        self.mem.write(at, &gate.bytes)?;
+        self.mem.write_code(at, &gate.bytes)?;
         let hook = Hook {
             addr: plan.at,
             orig,
@@ -61,7 +60,7 @@ impl Space {
             },
             kind: HookKind::DebugState,
         };
-        self.hooks.plant(&self.mem, hook)?;
+        self.plant_hook(hook)?;
         Ok(true)
     }
 }

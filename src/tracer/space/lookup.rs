@@ -9,7 +9,6 @@ use super::Space;
 use super::buffers::{self, InCopy};
 use super::images::LoadedModule;
 use crate::addr::Svma;
-use crate::memory::Memory;
 use crate::os::procfs;
 use crate::os::ptrace::{Regs, Tid};
 use crate::tracer::inject;
@@ -31,7 +30,7 @@ impl Space {
             return Some(false);
         }
         self.leave_copy(regs)?;
-        match self.hooks.leave(regs, &self.mem)? {
+        match self.hooks.leave(regs, &*self.mem)? {
             true => Some(true),
             false => None,
         }

@@ -16,6 +16,10 @@
 pub mod areas;
 pub mod buffers;
 mod control;
+#[cfg(test)]
+pub mod fake;
+#[cfg(test)]
+mod fake_tests;
 mod gate;
 pub mod images;
 mod lookup;
@@ -33,8 +37,8 @@ use super::probes::int3;
 use super::probes::jump::code as probe_code;
 use super::probes::jump::control::Control;
 use super::probes::jump::layout;
-use super::probes::{HookKind, Hooks};
-use crate::os::mem::CodeWriter;
+use super::probes::{Hook, HookKind, Hooks};
+use super::target::{CodeMemory, Live, Target};
 use crate::os::procfs;
 use crate::os::ptrace::Tid;
 use areas::Areas;
@@ -88,7 +92,9 @@ pub struct Changes {
 
 pub struct Space {
     pub pid: Tid,
-    mem: CodeWriter,
+    /// The space's memory, through the target port: read, and written
+    /// only to plant or restore.
+    mem: Box<dyn CodeMemory>,
     pub hooks: Hooks,
     areas: Areas,
     /// Mapped images by start address.
@@ -116,20 +122,33 @@ pub struct Space {
 impl Space {
     /// The space of process `pid`, its calls caught as `catch` says.
     pub fn new(pid: Tid, catch: Catch) -> io::Result<Space> {
-        Ok(Space {
+        let exe = procfs::exe(pid).map(|p| p.to_string_lossy().into_owned());
+        let probing = Probing::new(catch, || procfs::fsgsbase(pid));
+        Ok(Space::with_memory(pid, Live.code(pid)?, exe, probing))
+    }
+
+    /// The space of process `pid` whose memory is `mem` (the target port's:
+    /// a fake one in tests), its executable `exe`.
+    pub fn with_memory(
+        pid: Tid,
+        mem: Box<dyn CodeMemory>,
+        exe: Option<String>,
+        probing: Probing,
+    ) -> Space {
+        Space {
             pid,
-            mem: CodeWriter::open(pid)?,
+            mem,
             hooks: Hooks::default(),
             areas: Areas::default(),
             modules: BTreeMap::new(),
-            exe: procfs::exe(pid).map(|p| p.to_string_lossy().into_owned()),
-            probing: Probing::new(catch, || procfs::fsgsbase(pid)),
+            exe,
+            probing,
             shared: None,
             refused: None,
             stub: None,
             return_rows: HashMap::new(),
             ahead: images::Ahead::default(),
-        })
+        }
     }
 
     /// The control area of the jump probes, once made.
@@ -165,6 +184,16 @@ impl Space {
     /// the same hooks, trampoline pages and images. Its modules get ids of
     /// their own, taken from `next_id`.
     pub fn fork_copy(&self, pid: Tid, next_id: &mut u64) -> io::Result<Space> {
+        self.fork_copy_in(pid, Live.code(pid)?, next_id)
+    }
+
+    /// [`Space::fork_copy`], the child's memory being `mem`.
+    pub fn fork_copy_in(
+        &self,
+        pid: Tid,
+        mem: Box<dyn CodeMemory>,
+        next_id: &mut u64,
+    ) -> io::Result<Space> {
         let mut renamed = HashMap::new();
         let modules = self
             .modules
@@ -189,7 +218,7 @@ impl Space {
         }
         Ok(Space {
             pid,
-            mem: CodeWriter::open(pid)?,
+            mem,
             hooks,
             areas: self.areas.clone(),
             modules,
@@ -382,17 +411,38 @@ impl Space {
     /// Put every original byte back, the probes still known (to move
     /// threads out of their code, see [`Space::leave_areas`]).
     pub fn put_back_code(&self) -> io::Result<()> {
-        self.hooks.restore_into(&self.mem)
+        self.put_back_into(&*self.mem)
     }
 
-    /// Put every original byte back (before detaching).
+    /// Put every original byte back (before detaching), and forget the
+    /// hooks.
     pub fn restore_all(&mut self) -> io::Result<()> {
-        self.hooks.restore_all(&self.mem)
+        self.put_back_code()?;
+        self.hooks.clear();
+        Ok(())
     }
 
     /// Put every original byte back in another process that has a copy of
     /// this space (a forked child).
     pub fn restore_into(&self, pid: Tid) -> io::Result<()> {
-        self.hooks.restore_into(&CodeWriter::open(pid)?)
+        self.put_back_into(&*Live.code(pid)?)
+    }
+
+    /// Put every original byte of the hooks back through `mem`: this
+    /// space's, or a forked child's, which holds a copy of the same code.
+    pub fn put_back_into(&self, mem: &dyn CodeMemory) -> io::Result<()> {
+        for hook in self.hooks.iter() {
+            mem.write_code(hook.addr, &hook.orig)?;
+        }
+        Ok(())
+    }
+
+    /// Write `hook`'s patch over the entry (its code is in place) and book
+    /// it: the one way a probe enters the program's code.
+    fn plant_hook(&mut self, hook: Hook) -> io::Result<()> {
+        self.mem
+            .write_code(hook.addr, &hook.probe.patch(hook.addr))?;
+        self.hooks.book(hook);
+        Ok(())
     }
 }

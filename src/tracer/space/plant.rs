@@ -14,7 +14,6 @@ use super::images::LoadedModule;
 use super::probing::{NextJump, ProbeInfo};
 use super::{Changes, Planted, Space, SpaceError};
 use crate::addr::Svma;
-use crate::memory::Memory;
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
 use crate::tracer::inject;
@@ -164,7 +163,7 @@ impl Space {
         self.mem.read_exact(plan.at, &mut orig)?;
         // The probe first, then the patch: a thread never reaches a patch
         // whose probe is not ready.
-        self.mem.write(at, &probe.bytes)?;
+        self.mem.write_code(at, &probe.bytes)?;
         let hook = Hook {
             addr: plan.at,
             orig,
@@ -174,7 +173,7 @@ impl Space {
             },
             kind,
         };
-        self.hooks.plant(&self.mem, hook)?;
+        self.plant_hook(hook)?;
         self.probing.add_probe(ProbeInfo {
             module_id: module.id,
             ops,
@@ -210,7 +209,7 @@ impl Space {
             })?;
         // The slot first, then the int3: a thread never reaches an int3 whose
         // slot is not ready.
-        self.mem.write(slot, &bytes)?;
+        self.mem.write_code(slot, &bytes)?;
         let hook = Hook {
             addr,
             orig: vec![code[0]],
@@ -221,7 +220,7 @@ impl Space {
             },
             kind,
         };
-        self.hooks.plant(&self.mem, hook)?;
+        self.plant_hook(hook)?;
         Ok(())
     }
 
@@ -283,7 +282,7 @@ impl Space {
         let Some(at) = self.areas.take_anywhere(stub.len()) else {
             return Ok(());
         };
-        self.mem.write(at, &stub.code)?;
+        self.mem.write_code(at, &stub.code)?;
         self.stub = Some((at, at + stub.save));
         Ok(())
     }
@@ -308,7 +307,7 @@ impl Space {
         let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)
             .map_err(|e| io::Error::other(crate::util::with_causes(&e)))?;
         self.shared = Some(remote..remote + len);
-        self.mem.write(routine, &COPY_ROUTINE)?;
+        self.mem.write_code(routine, &COPY_ROUTINE)?;
         Ok(StackBuffers::new(map, remote, routine))
     }
 }

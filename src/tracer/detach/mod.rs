@@ -16,15 +16,17 @@ use std::time::Instant;
 
 use super::inject::InjectError;
 use super::pauses::PauseClock;
-use super::probes::int3::{self, InStub, RETURN_INT3};
 use super::process::Role;
 use super::space::SpaceError;
 use super::stop::Stopped;
 use super::stopping::Stopping;
+use super::target::Target;
 use super::{TraceError, Tracer};
-use crate::os::mem;
 use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
+use leave::Pending;
+
+mod leave;
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
@@ -87,7 +89,7 @@ impl Tracer {
                     }
                 }
                 None => {
-                    if ptrace::interrupt(tid).is_ok() {
+                    if self.target.interrupt(tid).is_ok() {
                         waiting.insert(tid);
                     }
                 }
@@ -197,55 +199,37 @@ impl Tracer {
         lap("leave_probes");
         let heaps = self.heaps_to_map();
         // Allocator calls, and mapping calls, entered through a stub.
-        let mut pending: Vec<(Tid, Tid, u64, u64)> = Vec::new();
+        let mut pending: Vec<Pending> = Vec::new();
         for (&tid, t) in self.family.threads.iter_mut() {
             for c in t.take_calls() {
-                pending.push((tid, t.pid, c.entry_sp, c.stub));
+                pending.push(Pending {
+                    tid,
+                    pid: t.pid,
+                    entry_sp: c.entry_sp,
+                    stub: c.stub,
+                });
             }
             if let Some(m) = t.in_map.take() {
-                pending.push((tid, t.pid, m.entry_sp, m.stub));
+                pending.push(Pending {
+                    tid,
+                    pid: t.pid,
+                    entry_sp: m.entry_sp,
+                    stub: m.stub,
+                });
             }
         }
-        let mut pop_rets: HashMap<Tid, Option<u64>> = HashMap::new();
-        for (tid, pid, sp, stub) in pending {
-            // Still inside the allocator; that call is not recorded.
-            self.stats.lost_returns += 1;
-            let Some(space) = self.family.space_of(tid) else {
-                continue;
-            };
-            let owner = space.pid;
-            let in_stub = ptrace::get_regs(tid).map_or(true, |regs| {
-                int3::in_stub(regs.rip, stub) != InStub::No || space.in_copy(regs.rip).is_some()
-            });
-            if in_stub {
-                continue; // moved out below, with every thread
-            }
-            // In the function, which will return to the stub's int3: send it
-            // to a pop + ret pair of the program's code instead, which returns
-            // to the caller as the stub would have. Without one, past the
-            // int3, and the pages stay.
-            let pop_ret = *pop_rets.entry(owner).or_insert_with(|| space.pop_ret());
-            let to = pop_ret.unwrap_or_else(|| {
-                keep_pages.insert(owner);
-                stub + RETURN_INT3 + 1
-            });
-            mem::write_data(pid, sp - 16, &to.to_le_bytes())?;
-        }
+        // Still inside the allocator: those calls are not recorded.
+        let family = &self.family;
+        self.stats.lost_returns += leave::send_calls_home(
+            &mut self.target,
+            &pending,
+            |tid| family.space_of(tid),
+            &mut keep_pages,
+        )?;
         let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
         for &tid in &tids {
-            let Some(space) = self.family.space_of(tid) else {
-                continue;
-            };
-            let owner = space.pid;
-            let Ok(mut regs) = ptrace::get_regs(tid) else {
-                continue;
-            };
-            match space.leave_areas(&mut regs) {
-                Some(false) => {}
-                Some(true) => ptrace::set_regs(tid, &regs)?,
-                None => {
-                    keep_pages.insert(owner);
-                }
+            if let Some(space) = self.family.space_of(tid) {
+                leave::move_out(&mut self.target, tid, space, &mut keep_pages)?;
             }
         }
         let traced: Vec<Tid> = self
@@ -356,7 +340,7 @@ impl Tracer {
         lap("restore");
         for tid in tids {
             let sig = deliver.get(&tid).copied().unwrap_or(0);
-            ptrace::unless_gone(ptrace::detach(tid, sig))?;
+            ptrace::unless_gone(self.target.detach(tid, sig))?;
         }
         // Threads and children whose first stop came before their birth was
         // reported: stopped, and memptrace's until let go.

@@ -1,0 +1,99 @@
+//! The narrow port through which the tracer changes a target: a thread's
+//! registers, resuming it or asking it to stop, writing a word into its
+//! data (a return address on its stack), and each address space's memory
+//! read whole and written as code. [`Live`] is the real target, over
+//! `os::ptrace` and `os::mem`; the tests' [`fake`] holds byte buffers and
+//! registers and records what was asked of it, so that attach (planting),
+//! detach (restoring, moving threads out of probe code, sending calls in
+//! progress home) and space management run in unit tests without a process.
+//!
+//! Callers take `T: Target` (generic, not `dyn`): the tracer's real target
+//! is a unit struct, so every call is the `os` call it stands for, inlined,
+//! as before the port existed. The rings are read through `RingBytes` and
+//! [`crate::tracer::merge::Rings`], generic too: the hot path (reading
+//! records) costs what it did. Only a space's code memory is a
+//! `Box<dyn CodeMemory>`: it is written when probes are planted or
+//! restored, never per call.
+//!
+//! Nothing here waits for stops: the wait loop asks `os::ptrace` directly,
+//! since one classifier (`tracer::stop`) reads every stop.
+
+#[cfg(test)]
+pub mod fake;
+
+use std::io;
+
+use crate::memory::Memory;
+use crate::os::mem::{self, CodeWriter};
+use crate::os::ptrace::{self, Regs, Tid};
+
+/// One address space's memory as probes change it: read anything (code
+/// included, whatever its protection), write code.
+pub trait CodeMemory: Memory {
+    /// Write `bytes` at `addr` (code or data), all or fail.
+    fn write_code(&self, addr: u64, bytes: &[u8]) -> io::Result<()>;
+}
+
+impl CodeMemory for CodeWriter {
+    fn write_code(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
+        self.write(addr, bytes)
+    }
+}
+
+/// The threads and address spaces the tracer changes.
+pub trait Target {
+    /// A stopped thread's registers (PTRACE_GETREGS).
+    fn regs(&mut self, tid: Tid) -> io::Result<Regs>;
+    /// Set a stopped thread's registers (PTRACE_SETREGS).
+    fn set_regs(&mut self, tid: Tid, regs: &Regs) -> io::Result<()>;
+    /// Resume a stopped thread, delivering `sig` (0: none).
+    fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()>;
+    /// Resume a thread from a group-stop, leaving it stopped (PTRACE_LISTEN).
+    fn listen(&mut self, tid: Tid) -> io::Result<()>;
+    /// Ask a running thread to stop (PTRACE_INTERRUPT).
+    fn interrupt(&mut self, tid: Tid) -> io::Result<()>;
+    /// Let a stopped thread go, delivering `sig` (PTRACE_DETACH).
+    fn detach(&mut self, tid: Tid, sig: i32) -> io::Result<()>;
+    /// Write `bytes` into writable memory of process `pid` (a stack slot).
+    fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()>;
+    /// The code memory of process `pid`, to read it and write probes.
+    fn code(&mut self, pid: Tid) -> io::Result<Box<dyn CodeMemory>>;
+}
+
+/// The real target: every call is the `os` call it names.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Live;
+
+impl Target for Live {
+    fn regs(&mut self, tid: Tid) -> io::Result<Regs> {
+        ptrace::get_regs(tid)
+    }
+
+    fn set_regs(&mut self, tid: Tid, regs: &Regs) -> io::Result<()> {
+        ptrace::set_regs(tid, regs)
+    }
+
+    fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
+        ptrace::cont(tid, sig)
+    }
+
+    fn listen(&mut self, tid: Tid) -> io::Result<()> {
+        ptrace::listen(tid)
+    }
+
+    fn interrupt(&mut self, tid: Tid) -> io::Result<()> {
+        ptrace::interrupt(tid)
+    }
+
+    fn detach(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
+        ptrace::detach(tid, sig)
+    }
+
+    fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
+        mem::write_data(pid, addr, bytes)
+    }
+
+    fn code(&mut self, pid: Tid) -> io::Result<Box<dyn CodeMemory>> {
+        Ok(Box::new(CodeWriter::open(pid)?))
+    }
+}
