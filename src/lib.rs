@@ -37,6 +37,7 @@ pub mod namer;
 pub mod os;
 pub mod program;
 pub mod progress;
+pub mod queue;
 pub mod report;
 pub mod sampler;
 pub mod seccomp;

@@ -9,12 +9,13 @@ mod sqlite;
 pub use memory::MemorySink;
 pub use sqlite::{APPLICATION_ID, SCHEMA_VERSION, SqliteSink};
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, sync_channel};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::event::Event;
+use crate::queue::{self, Receiver, Sender};
 pub use crate::symbols::symbolize::SourceLine;
 
 /// An ELF image mapped in a traced process.
@@ -104,6 +105,29 @@ pub struct FrameSymbols {
     /// library, or its function one of the allocator's wrappers
     /// ([`crate::wrappers`]).
     pub wrapper: bool,
+}
+
+impl Record {
+    /// About the bytes it holds beyond its own size: what weighs on the
+    /// recorder's queue, which is bounded in bytes.
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            Record::Meta { key, value } => key.len() + value.len(),
+            Record::Module(m) => m.path.len() + m.build_id.as_ref().map_or(0, String::len),
+            Record::Thread(t) => t.name.len(),
+            Record::Symbols(s) => s.lines.len() * (size_of::<SourceLine>() + 64),
+            Record::ExecReleased { alloc_ids, .. } => alloc_ids.len() * 8,
+            Record::Heap(snap) => match &snap.map {
+                Ok(map) => {
+                    let chunks: usize = map.arenas.iter().map(|a| a.chunks.len()).sum();
+                    (chunks + map.mmapped.len()) * size_of::<crate::heap::Chunk>()
+                        + map.pages.len() * size_of::<crate::heap::PageRun>()
+                }
+                Err(why) => why.len(),
+            },
+            _ => 0,
+        }
+    }
 }
 
 /// A map of a process's heap ([`crate::heap`]), or why there is none.
@@ -212,10 +236,19 @@ const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
 /// bounds what such a disk loses (about 1 MiB of rows) whatever the rate.
 const COMMIT_RECORDS: u64 = 32 * 1024;
 
-/// Batches in flight between producers and the recorder thread. Bounded, so a
-/// target that allocates faster than the disk writes is slowed down rather than
-/// memptrace growing without limit.
-const QUEUE_BATCHES: usize = 64;
+/// Bytes of records in flight between producers and the recorder thread,
+/// the batch being written included. Bounded by bytes, not batches (a
+/// batch is one record or tens of thousands), so a target that allocates
+/// faster than the disk writes is slowed down rather than memptrace
+/// growing without limit.
+const QUEUE_BYTES: u64 = 48 << 20;
+
+/// About the bytes a batch of records holds.
+#[allow(clippy::ptr_arg)] // the queue's items are `Vec`s
+fn weigh(batch: &Vec<Record>) -> u64 {
+    let heap: usize = batch.iter().map(Record::heap_bytes).sum();
+    (batch.len() * size_of::<Record>() + heap) as u64
+}
 
 /// Called on the recorder's thread with every record before it is
 /// written: how others (the RSS sampler) learn what the trace sees. It must
@@ -224,7 +257,7 @@ pub type Observer = Box<dyn FnMut(&Record) + Send>;
 
 /// Runs an [`EventSink`] on its own thread; producers send batches of records.
 pub struct Recorder {
-    tx: Option<SyncSender<Vec<Record>>>,
+    tx: Option<Sender<Vec<Record>>>,
     thread: Option<JoinHandle<Result<RecorderStats, SinkError>>>,
     halt: Halt,
 }
@@ -246,7 +279,7 @@ impl Recorder {
 
     /// A recorder that shows `observer` every record it writes.
     pub fn spawn_observed(sink: Box<dyn EventSink>, observer: Observer) -> Recorder {
-        let (tx, rx) = sync_channel(QUEUE_BATCHES);
+        let (tx, rx) = queue::bounded(QUEUE_BYTES, weigh);
         let halt = Halt::default();
         let theirs = halt.clone();
         let thread = std::thread::Builder::new()
@@ -298,7 +331,7 @@ impl Drop for Recorder {
 /// The producer side of a [`Recorder`].
 #[derive(Clone)]
 pub struct RecordSender {
-    tx: SyncSender<Vec<Record>>,
+    tx: Sender<Vec<Record>>,
 }
 
 impl RecordSender {
@@ -326,7 +359,8 @@ fn record_loop(
     loop {
         let wait = COMMIT_INTERVAL.saturating_sub(last_commit.elapsed());
         match rx.recv_timeout(wait) {
-            Ok(batch) => {
+            // The permit holds the batch's room until it is written.
+            Ok((batch, _permit)) => {
                 for record in &batch {
                     observer(record);
                     if halt.get().is_some() && !kept_when_full(record) {

@@ -18,15 +18,15 @@ use crate::unwind::pipeline::PipelineHandle;
 const BATCH: usize = 1024;
 
 /// Bytes of stack copies per batch, at most (about 32 calls with deep
-/// stacks): the pipeline's queue holds 32 batches, so what waits for
-/// unwinding stays near 32 MiB however deep the program's stacks are.
+/// stacks). What waits in the pipeline's queue is bounded in bytes
+/// (`pipeline::QUEUE_BYTES`), however deep the program's stacks are.
 const BATCH_BYTES: usize = 1 << 20;
 
 /// While the pipeline's queue is full, a batch grows (the tracer goes on
 /// serving stops: a thread at an int3 probe would wait for it) up to this
 /// many batches' worth of messages, or `BACKLOG_BYTES` of stack copies;
 /// then the tracer waits for room. So what waits for unwinding stays under
-/// 32 + 32 MiB of copies.
+/// the queue's bound and this batch.
 const BACKLOG: usize = 64;
 const BACKLOG_BYTES: usize = 32 * BATCH_BYTES;
 

@@ -4,7 +4,6 @@
 //! the target has been resumed, so none of it is on the stop path.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 
 use super::by_allocator::{allocator_call_in_copy, allocator_frame, ends_in_cfi};
@@ -16,6 +15,7 @@ use super::{MappedImage, StackSample, Unwinder, WalkEnd};
 use crate::addr::Avma;
 use crate::event::Event;
 use crate::namer::NameSender;
+use crate::queue::{self, Receiver, Sender, TrySendError};
 use crate::sink::{Record, RecordSender, SinkError};
 use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
 
@@ -72,12 +72,41 @@ struct Pipeline {
 
 /// The producer side, held by the tracer.
 pub struct PipelineHandle {
-    tx: Option<SyncSender<Vec<TraceMsg>>>,
+    tx: Option<Sender<Vec<TraceMsg>>>,
     thread: Option<JoinHandle<Result<PipelineResult, SinkError>>>,
 }
 
-/// Batches in flight from the tracer (each up to a few thousand messages).
-const QUEUE_BATCHES: usize = 32;
+/// What the queue from the tracer holds at most, in bytes of messages (see
+/// [`weigh`]), the batch being unwound included: a batch is anything from
+/// one message to tens of thousands of calls, and a bound of 32 batches let
+/// about 1 GB of calls wait under `-f -- make -j2`.
+const QUEUE_BYTES: u64 = 48 << 20;
+
+/// About the bytes a batch holds: its messages and what they point to
+/// (stack copies, frames), not the images they share.
+#[allow(clippy::ptr_arg)] // the queue's items are `Vec`s
+pub fn weigh(batch: &Vec<TraceMsg>) -> u64 {
+    let each = |msg: &TraceMsg| {
+        let stack = |stack: &CallStack| match stack {
+            CallStack::CallerOnly(_) => 0,
+            CallStack::Unwound { ips, .. } => ips.len() * 8,
+            CallStack::Sample(sample) => sample.bytes.len(),
+        };
+        let held = match msg {
+            TraceMsg::Call(call) => size_of::<RawCall>() + stack(&call.stack),
+            TraceMsg::Map(map) => size_of::<RawMap>() + stack(&map.stack),
+            TraceMsg::Calls(batch) => {
+                batch.calls.len() * size_of::<crate::trace_msg::BatchedCall>()
+                    + batch.frames.len() * 8
+            }
+            TraceMsg::Trampolines { areas, .. } => areas.len() * 16,
+            TraceMsg::Record(record) => record.heap_bytes(),
+            _ => 0,
+        };
+        size_of::<TraceMsg>() + held
+    };
+    batch.iter().map(each).sum::<usize>() as u64
+}
 
 impl PipelineHandle {
     /// Start the pipeline thread. `unwind_here`: stack samples are unwound
@@ -89,7 +118,7 @@ impl PipelineHandle {
         max_depth: usize,
         names: Option<NameSender>,
     ) -> PipelineHandle {
-        let (tx, rx) = sync_channel(QUEUE_BATCHES);
+        let (tx, rx) = queue::bounded(QUEUE_BYTES, weigh);
         let pipeline = Pipeline {
             unwind_here,
             max_depth,
@@ -184,7 +213,8 @@ impl Pipeline {
         rx: Receiver<Vec<TraceMsg>>,
         recorder: RecordSender,
     ) -> Result<PipelineResult, SinkError> {
-        for batch in rx {
+        // The permit holds the batch's room until its records are handed on.
+        for (batch, _permit) in &rx {
             for msg in batch {
                 self.handle(msg);
             }

@@ -12,6 +12,7 @@
 
 mod aggregates;
 mod heap;
+mod nodes;
 mod open_blocks;
 mod rows;
 mod schema;
@@ -26,6 +27,7 @@ use rusqlite::{Connection, params};
 use super::aggregate::Aggregator;
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::Event;
+use nodes::NodeRows;
 use open_blocks::OpenBlocks;
 use rows::{EventRow, Num, int, write_map};
 pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
@@ -65,6 +67,8 @@ pub struct SqliteSink {
     failed: bool,
     /// Events waiting for a full [`CHUNK`]; written before every commit.
     pending: Vec<EventRow>,
+    /// Stack nodes waiting likewise.
+    nodes: NodeRows,
     /// (pid, tid) -> code in `event_threads`.
     thread_codes: HashMap<(u32, u32), i64>,
     /// The SQL of the statement inserting [`CHUNK`] events.
@@ -136,6 +140,7 @@ impl SqliteSink {
             in_transaction: false,
             failed: false,
             pending: Vec::with_capacity(CHUNK),
+            nodes: NodeRows::default(),
             thread_codes: HashMap::new(),
             chunk_sql,
             last_id: 0,
@@ -189,9 +194,7 @@ impl SqliteSink {
     }
 
     fn conn(&self) -> Result<&Connection, SinkError> {
-        self.conn
-            .as_ref()
-            .ok_or_else(|| SinkError::Stopped("the trace database is already closed".into()))
+        self.conn.as_ref().ok_or_else(closed)
     }
 
     fn begin(&mut self) -> Result<(), SinkError> {
@@ -237,6 +240,16 @@ impl SqliteSink {
         }
         self.pending.clear();
         Ok(())
+    }
+
+    fn write_node(&mut self, node: &super::StackNode) -> Result<(), SinkError> {
+        let conn = self.conn.as_ref().ok_or_else(closed)?;
+        Ok(self.nodes.push(conn, node)?)
+    }
+
+    fn flush_nodes(&mut self) -> Result<(), SinkError> {
+        let conn = self.conn.as_ref().ok_or_else(closed)?;
+        Ok(self.nodes.flush(conn)?)
     }
 
     /// Write events that did not fill a chunk, one row at a time.
@@ -362,23 +375,6 @@ impl SqliteSink {
                 )?
                 .execute(params![int(f.id), int(f.ip), f.module_id.map(int)])?;
             }
-            Record::StackNode(s) => {
-                conn.prepare_cached(
-                    "INSERT OR REPLACE INTO stacks(id, parent_id, frame_id, depth, trust) VALUES (?, ?, ?, ?, ?)",
-                )?
-                .execute(params![
-                    int(s.id),
-                    s.parent_id.map(int),
-                    int(s.frame_id),
-                    s.depth,
-                    s.trust.name()
-                ])?;
-                // Until frames are marked at the end, a stack's own frame.
-                conn.prepare_cached(
-                    "INSERT OR REPLACE INTO call_sites(stack_id, frame_id, site_id) VALUES (?, ?, ?)",
-                )?
-                .execute(params![int(s.id), int(s.frame_id), int(s.id)])?;
-            }
             Record::Map(m) => write_map(conn, m)?,
             Record::Heap(snap) => heap::write(conn, snap)?,
             Record::Rss(r) => {
@@ -408,10 +404,14 @@ impl SqliteSink {
                     insert.execute(params![int(*id), int(*ts_ns), pid])?;
                 }
             }
-            Record::Event(_) | Record::Symbols(_) => {}
+            Record::Event(_) | Record::Symbols(_) | Record::StackNode(_) => {}
         }
         Ok(())
     }
+}
+
+fn closed() -> SinkError {
+    SinkError::Stopped("the trace database is already closed".into())
 }
 
 impl EventSink for SqliteSink {
@@ -424,6 +424,7 @@ impl EventSink for SqliteSink {
         }
         let result = self.begin().and_then(|()| match record {
             Record::Event(event) => self.write_event(event),
+            Record::StackNode(node) => self.write_node(node),
             Record::Symbols(symbols) => self.write_symbols(symbols),
             other => self.write_other(other),
         });
@@ -443,6 +444,7 @@ impl EventSink for SqliteSink {
             .unwrap_or_default();
         let result = self
             .flush_events()
+            .and_then(|()| self.flush_nodes())
             .and_then(|()| aggregates::write_over_time(self.conn()?, &over_time))
             .and_then(|()| Ok(self.conn()?.execute_batch("COMMIT")?));
         self.failed = result.is_err();
@@ -541,6 +543,7 @@ impl EventSink for SqliteSink {
         self.in_transaction = false;
         self.failed = false;
         self.pending.clear();
+        self.nodes.clear();
         // Its allocations may have been rolled back: `finish` asks SQLite.
         self.open_blocks.give_up();
         self.stopped_growing = true;
