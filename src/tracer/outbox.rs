@@ -234,10 +234,9 @@ impl Outbox {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::mpsc::sync_channel;
-
     use super::*;
     use crate::event::Op;
+    use crate::queue;
 
     fn event(id: u64) -> Event {
         Event {
@@ -261,7 +260,8 @@ mod tests {
     /// none may be lost or reordered.
     #[test]
     fn a_full_queue_keeps_calls_in_whole_batches() {
-        let (tx, rx) = sync_channel(1);
+        // Room for one batch, taken.
+        let (tx, rx) = queue::bounded(1, |_| 1);
         tx.send(vec![TraceMsg::Calls(Box::default())]).unwrap();
         let mut out = Outbox::new(PipelineHandle::to_channel(tx));
         let calls = 3 * BATCH as u64;
@@ -278,9 +278,11 @@ mod tests {
                 out.send_ready(false).unwrap();
             }
         }
-        assert!(rx.try_recv().is_ok(), "the batch that filled the queue");
+        let (first, permit) = rx.recv().expect("the batch that filled the queue");
+        assert_eq!(first.len(), 1);
+        drop(permit);
         out.send_ready(true).unwrap();
-        let sent = rx.try_recv().unwrap();
+        let (sent, _permit) = rx.recv().expect("the calls");
         let batches: Vec<&CallBatch> = sent
             .iter()
             .map(|msg| match msg {

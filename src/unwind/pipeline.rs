@@ -149,7 +149,7 @@ impl PipelineHandle {
     /// A handle whose batches go to `tx`, with no thread behind it: for
     /// unit tests of what sends them.
     #[cfg(test)]
-    pub fn to_channel(tx: SyncSender<Vec<TraceMsg>>) -> PipelineHandle {
+    pub fn to_channel(tx: Sender<Vec<TraceMsg>>) -> PipelineHandle {
         PipelineHandle {
             tx: Some(tx),
             thread: None,
