@@ -138,6 +138,51 @@ impl Event {
     }
 }
 
+#[cfg(test)]
+impl Event {
+    /// A test's call: `op` by thread `tid` of process 100 at `ts_ns`,
+    /// returning (or releasing) `ptr`, `size` requested, from leaf `stack`;
+    /// the rest (`alloc_id`, `old_ptr`, `align`) by struct update.
+    pub fn test(
+        id: u64,
+        ts_ns: u64,
+        tid: u32,
+        op: Op,
+        ptr: u64,
+        size: Option<u64>,
+        stack: Option<u64>,
+    ) -> Event {
+        Event {
+            id,
+            ts_ns,
+            pid: 100,
+            tid,
+            op,
+            ptr,
+            size,
+            old_ptr: None,
+            align: None,
+            alloc_id: None,
+            stack_id: stack,
+        }
+    }
+
+    /// A test's `free` of `ptr`, the block event `alloc_id` allocated.
+    pub fn test_free(
+        id: u64,
+        ts_ns: u64,
+        tid: u32,
+        ptr: u64,
+        alloc_id: u64,
+        stack: Option<u64>,
+    ) -> Event {
+        Event {
+            alloc_id: Some(alloc_id),
+            ..Event::test(id, ts_ns, tid, Op::Free, ptr, None, stack)
+        }
+    }
+}
+
 /// The memory-mapping functions memptrace hooks beside the allocator: the
 /// calls through which a process's address space, and so its resident
 /// memory, grows and shrinks (the allocator's own included).

@@ -93,31 +93,6 @@ fn symbols(frame_id: u64, lines: &[(&str, u32)]) -> Record {
     })
 }
 
-/// An event at `id * 1000` ns.
-fn ev(id: u64, tid: u32, op: Op, stack: u64, ptr: u64, size: Option<u64>) -> Event {
-    Event {
-        id,
-        ts_ns: id * 1000,
-        pid: 100,
-        tid,
-        op,
-        ptr,
-        size,
-        old_ptr: None,
-        align: None,
-        alloc_id: None,
-        stack_id: Some(stack),
-    }
-}
-
-fn free(id: u64, tid: u32, ptr: u64, alloc_id: u64) -> Event {
-    Event {
-        alloc_id: Some(alloc_id),
-        stack_id: None,
-        ..ev(id, tid, Op::Free, 0, ptr, None)
-    }
-}
-
 /// Stacks (leaf first): s11 make_node [inlined in push_back] <- main;
 /// s12 strdup (libc) <- main; s14 operator new (libstdc++) <- Widget <- main;
 /// s16 _IO_file_doallocate <- puts (all libc); s18 unknown app code <- main.
@@ -171,23 +146,23 @@ fn scenario() -> Vec<Record> {
         node(18, Some(10), 8, 1),
     ];
     let events = [
-        ev(1, 100, Op::Malloc, 12, 0xa0, Some(100)),
-        ev(2, 100, Op::Malloc, 11, 0xb0, Some(64)),
-        free(3, 100, 0xb0, 2),
-        ev(4, 100, Op::Malloc, 14, 0xc0, Some(1000)),
-        ev(5, 101, Op::Malloc, 11, 0xd0, Some(32)),
-        free(6, 100, 0xc0, 4),
-        ev(7, 100, Op::Malloc, 16, 0xe0, Some(4096)),
+        Event::test(1, 1000, 100, Op::Malloc, 0xa0, Some(100), Some(12)),
+        Event::test(2, 2000, 100, Op::Malloc, 0xb0, Some(64), Some(11)),
+        Event::test_free(3, 3000, 100, 0xb0, 2, None),
+        Event::test(4, 4000, 100, Op::Malloc, 0xc0, Some(1000), Some(14)),
+        Event::test(5, 5000, 101, Op::Malloc, 0xd0, Some(32), Some(11)),
+        Event::test_free(6, 6000, 100, 0xc0, 4, None),
+        Event::test(7, 7000, 100, Op::Malloc, 0xe0, Some(4096), Some(16)),
         Event {
             old_ptr: Some(0xd0),
             alloc_id: Some(5),
-            ..ev(8, 101, Op::Realloc, 11, 0xf0, Some(128))
+            ..Event::test(8, 8000, 101, Op::Realloc, 0xf0, Some(128), Some(11))
         },
-        ev(9, 100, Op::Malloc, 18, 0x90, Some(10)),
-        ev(10, 100, Op::Malloc, 14, 0x80, Some(2000)),
-        free(11, 100, 0x90, 9),
-        free(12, 101, 0xf0, 8),
-        ev(13, 100, Op::Malloc, 18, 0, Some(1 << 40)),
+        Event::test(9, 9000, 100, Op::Malloc, 0x90, Some(10), Some(18)),
+        Event::test(10, 10000, 100, Op::Malloc, 0x80, Some(2000), Some(14)),
+        Event::test_free(11, 11000, 100, 0x90, 9, None),
+        Event::test_free(12, 12000, 101, 0xf0, 8, None),
+        Event::test(13, 13000, 100, Op::Malloc, 0, Some(1 << 40), Some(18)),
     ];
     r.extend(events.into_iter().map(Record::Event));
     r.extend([
@@ -502,7 +477,15 @@ fn stacks_that_read_the_same_are_one_row() {
         frame(9, APP + 0x1108, 1),
         node(19, None, 9, 0),
         node(20, Some(19), 2, 1),
-        Record::Event(ev(14, 100, Op::Malloc, 20, 0x70, Some(16))),
+        Record::Event(Event::test(
+            14,
+            14000,
+            100,
+            Op::Malloc,
+            0x70,
+            Some(16),
+            Some(20),
+        )),
         symbols(9, &[("main", 50)]),
     ]);
     let dir = TempDir::new("merge");

@@ -5,9 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::support::{
-    Trace, Variant, memptrace, run, trace, trace_program, trace_program_env, tracee,
-};
+use crate::support::{Trace, Variant, memptrace, run, trace, trace_program, tracee};
 
 /// Rows of a query of text keys and integer values, in order.
 fn rows(t: &Trace, sql: &str) -> Vec<(String, Vec<i64>)> {
@@ -161,20 +159,12 @@ fn from_events(t: &Trace) -> Figures {
     out
 }
 
-/// A full trace that also keeps the aggregates (`MEMPTRACE_AGGREGATE_FULL`,
-/// a debug knob: a full trace keeps none, docs/schema.md): its aggregate
-/// tables hold exactly what SQL over its events finds: phases.c (several
-/// stacks, temporary blocks, leaks, a known peak) and threads.c (eight
-/// threads).
+/// A full trace, which keeps the aggregates beside its events: its
+/// aggregate tables hold exactly what SQL over its events finds: phases.c
+/// (several stacks, temporary blocks, leaks, a known peak) and threads.c
+/// (eight threads).
 fn full_with_aggregates(name: &str, args: &[&str]) -> Trace {
-    let t = trace_program_env(
-        &tracee(Variant::Dynamic, name),
-        args,
-        &[],
-        &[("MEMPTRACE_AGGREGATE_FULL", "1")],
-    );
-    t.assert_sound();
-    t
+    trace(Variant::Dynamic, name, args, &[])
 }
 
 #[test]
@@ -227,10 +217,10 @@ fn aggregate_trace_matches_the_full_trace() {
     assert_eq!(agg.run.stdout, full.run.stdout);
     assert_eq!(agg.meta("trace_mode").as_deref(), Some("aggregate"));
     // What the aggregate trace kept is what SQL finds over the full
-    // trace's events; the full trace keeps no aggregates.
+    // trace's events, and what the full trace kept beside them.
     let a = aggregates(&agg);
     assert_eq!(a, from_events(&full));
-    assert_eq!(full.int("SELECT count(*) FROM agg_totals"), 0);
+    assert_eq!(a, aggregates(&full));
     assert!(a["calls"].len() >= 8, "{:?}", a["calls"]);
     assert!(!a["live"].is_empty() && !a["peak"].is_empty());
     for view in ["events", "allocations", "leaks", "temporary"] {
@@ -374,4 +364,70 @@ fn aggregate_trace_is_bounded_by_stacks_not_calls() {
         agg_size <= small_size + rows.saturating_sub(small_rows) * 40 + (128 << 10),
         "aggregate of {calls} calls {agg_size} bytes, of a tenth of them {small_size} bytes"
     );
+}
+
+/// A full trace's reports read its aggregates; what they print is what the
+/// pass over its events prints (`MEMPTRACE_REPORT_FROM_EVENTS`, a debug
+/// knob, forces the pass): `report` in text and JSON, the folded stacks of
+/// `flamegraph` and `export --collapsed` for every metric, and the pprof
+/// profile. phases.c (peak, temporary blocks, leaks), threads.c (eight
+/// threads), execs.c (blocks released by an exec).
+#[test]
+fn full_trace_reports_from_aggregates_equal_reports_from_events() {
+    for (name, args) in [
+        ("phases", &[][..]),
+        ("threads", &["4", "500"][..]),
+        ("execs", &[][..]),
+    ] {
+        let t = trace(Variant::Dynamic, name, args, &[]);
+        assert_eq!(t.int("SELECT count(*) FROM agg_totals"), 1, "{name}");
+        let out = |args: &[&str], scan: bool| -> Vec<u8> {
+            let mut cmd = memptrace();
+            cmd.args(args).arg(&t.path);
+            if scan {
+                cmd.env("MEMPTRACE_REPORT_FROM_EVENTS", "1");
+            }
+            let r = run(&mut cmd, b"");
+            assert_eq!((r.code(), r.stderr.as_str()), (0, ""), "{name} {args:?}");
+            r.stdout.into_bytes()
+        };
+        for args in [&["report"][..], &["report", "--format", "json"][..]] {
+            let (kept, scanned) = (out(args, false), out(args, true));
+            assert!(!kept.is_empty());
+            assert_eq!(
+                String::from_utf8_lossy(&kept),
+                String::from_utf8_lossy(&scanned),
+                "{name} {args:?}"
+            );
+        }
+        let file = |args: &[&str], ext: &str, scan: bool| -> Vec<u8> {
+            let path = t.path.with_extension(format!("{}.{ext}", u8::from(scan)));
+            let mut cmd = memptrace();
+            cmd.args(args).arg(&path).arg(&t.path);
+            if scan {
+                cmd.env("MEMPTRACE_REPORT_FROM_EVENTS", "1");
+            }
+            let r = run(&mut cmd, b"");
+            assert_eq!((r.code(), r.stderr.as_str()), (0, ""), "{name} {args:?}");
+            std::fs::read(&path).unwrap()
+        };
+        for metric in ["peak", "leaked", "allocated", "calls"] {
+            let args = ["export", "--metric", metric, "--collapsed"];
+            let (kept, scanned) = (file(&args, "txt", false), file(&args, "txt", true));
+            assert!(!kept.is_empty(), "{name} {metric}");
+            assert_eq!(
+                String::from_utf8_lossy(&kept),
+                String::from_utf8_lossy(&scanned),
+                "{name} {metric}"
+            );
+        }
+        let args = ["flamegraph", "--metric", "peak", "-o"];
+        assert_eq!(
+            file(&args, "svg", false),
+            file(&args, "svg", true),
+            "{name}"
+        );
+        let args = ["export", "--pprof"];
+        assert_eq!(file(&args, "pb", false), file(&args, "pb", true), "{name}");
+    }
 }

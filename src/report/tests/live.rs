@@ -15,15 +15,14 @@ fn ended(name: &str, end_reason: Option<&str>) -> (TempDir, Summary) {
             value: reason.into(),
         });
     }
-    let inventory = |id: u64, ptr: u64, size: u64| Event {
-        stack_id: None,
-        ..ev(id, 100, Op::Inventory, 0, ptr, Some(size))
+    let inventory = |id: u64, ptr: u64, size: u64| {
+        Event::test(id, id * 1000, 100, Op::Inventory, ptr, Some(size), None)
     };
     records.extend(
         [
             inventory(14, 0x500, 300),
             inventory(15, 0x600, 50),
-            free(16, 100, 0x600, 15),
+            Event::test_free(16, 16_000, 100, 0x600, 15, None),
         ]
         .map(Record::Event),
     );

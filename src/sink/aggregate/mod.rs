@@ -16,12 +16,14 @@
 //! (and the rows of buckets not yet taken), never by the number of events.
 //! It is pure data: no SQL, no process.
 
+mod live;
 #[cfg(test)]
 mod tests;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::event::{Event, Op};
+use live::{Block, LiveBlocks};
 
 /// Buckets of the size histogram: index 0 for 0 bytes, i for [2^(i-1), 2^i).
 pub const SIZE_BUCKETS: usize = 65;
@@ -119,21 +121,14 @@ pub struct Aggregates {
     pub last_ns: u64,
 }
 
-/// A block while it lives.
-#[derive(Clone, Copy, Debug)]
-struct Block {
-    ptr: u64,
-    size: u64,
-    stack: Option<u64>,
-    thread: u32,
-    op: Op,
-    ts_ns: u64,
-}
-
 /// What one (stack, thread) holds now, and at the peak (saved lazily: see
 /// [`Aggregator::change`]).
 #[derive(Clone, Copy, Debug, Default)]
 struct Cell {
+    stack: Option<u64>,
+    thread: u32,
+    /// Its stack's index in `Aggregator::stacks`.
+    stack_slot: u32,
     bytes: u64,
     blocks: u64,
     /// The sequence number of the event that last changed it.
@@ -147,31 +142,48 @@ struct Cell {
 /// A stack's heap in use, for the buckets over time.
 #[derive(Clone, Copy, Debug, Default)]
 struct StackNow {
+    stack: Option<u64>,
     bytes: u64,
     blocks: u64,
     /// Changed in the current bucket (and listed in `dirty`).
     dirty: bool,
 }
 
+/// The totals of one [`CallKey`], and the index of its (stack, thread) in
+/// `Aggregator::cells`.
+#[derive(Clone, Copy, Debug, Default)]
+struct CallSlot {
+    stats: CallStats,
+    cell: u32,
+}
+
 /// Fed every event in order; see the module's documentation.
+///
+/// Per event it hashes once, to find the totals of (stack, thread, op),
+/// which hold the index of their (stack, thread) cell: a live block keeps
+/// that index and its op, so a release finds its cell by index (and hashes
+/// again only for a temporary block, to count it for its allocation).
 #[derive(Debug)]
 pub struct Aggregator {
     resolution_ns: u64,
-    calls: FxHashMap<CallKey, CallStats>,
-    live: FxHashMap<u64, Block>,
+    calls: FxHashMap<CallKey, CallSlot>,
+    live: LiveBlocks,
     heap_bytes: u64,
     /// Events seen: their sequence numbers are 1, 2, ...
     seq: u64,
     peak: PeakTotals,
     /// The sequence number of the peak's event (0: no peak yet).
     peak_seq: u64,
-    cells: FxHashMap<(Option<u64>, u32), Cell>,
-    /// The last event of each thread, for temporary blocks.
-    last_of_thread: FxHashMap<u32, u64>,
+    cell_slots: FxHashMap<(Option<u64>, u32), u32>,
+    cells: Vec<Cell>,
+    /// The last event of each thread (by code), for temporary blocks.
+    last_of_thread: Vec<u64>,
     sizes: Vec<u64>,
     exec_released: FxHashSet<u64>,
-    stacks: FxHashMap<Option<u64>, StackNow>,
-    dirty: Vec<Option<u64>>,
+    stack_slots: FxHashMap<Option<u64>, u32>,
+    stacks: Vec<StackNow>,
+    /// Indexes in `stacks`.
+    dirty: Vec<u32>,
     /// The bucket events go to now.
     bucket: Option<u64>,
     closed: Vec<OverTimeRow>,
@@ -186,16 +198,18 @@ impl Aggregator {
         Aggregator {
             resolution_ns: resolution_ns.max(1),
             calls: FxHashMap::default(),
-            live: FxHashMap::default(),
+            live: LiveBlocks::default(),
             heap_bytes: 0,
             seq: 0,
             peak: PeakTotals::default(),
             peak_seq: 0,
-            cells: FxHashMap::default(),
-            last_of_thread: FxHashMap::default(),
+            cell_slots: FxHashMap::default(),
+            cells: Vec::new(),
+            last_of_thread: Vec::new(),
             sizes: vec![0; SIZE_BUCKETS],
             exec_released: FxHashSet::default(),
-            stacks: FxHashMap::default(),
+            stack_slots: FxHashMap::default(),
+            stacks: Vec::new(),
             dirty: Vec::new(),
             bucket: None,
             closed: Vec::new(),
@@ -208,35 +222,81 @@ impl Aggregator {
         self.resolution_ns
     }
 
+    /// The index of the cell of (stack, thread), made when new (with its
+    /// stack's slot, when new).
+    fn cell(&mut self, stack: Option<u64>, thread: u32) -> u32 {
+        if let Some(&cell) = self.cell_slots.get(&(stack, thread)) {
+            return cell;
+        }
+        let stack_slot = match self.stack_slots.get(&stack) {
+            Some(&slot) => slot,
+            None => {
+                let slot = self.stacks.len() as u32;
+                self.stacks.push(StackNow {
+                    stack,
+                    ..StackNow::default()
+                });
+                self.stack_slots.insert(stack, slot);
+                slot
+            }
+        };
+        let cell = self.cells.len() as u32;
+        self.cells.push(Cell {
+            stack,
+            thread,
+            stack_slot,
+            ..Cell::default()
+        });
+        self.cell_slots.insert((stack, thread), cell);
+        cell
+    }
+
     /// One event, made by the thread of code `thread`.
     pub fn add(&mut self, e: &Event, thread: u32) {
         self.seq += 1;
         self.last_event = e.id;
         self.last_ns = e.ts_ns;
         self.enter_bucket(e.ts_ns / self.resolution_ns);
+        let t = thread as usize;
+        if t >= self.last_of_thread.len() {
+            self.last_of_thread.resize(t + 1, 0);
+        }
+        let previous = std::mem::replace(&mut self.last_of_thread[t], e.id);
+        let released = e.alloc_id.and_then(|id| self.live.remove(id));
+        if let Some(block) = released {
+            self.heap_bytes = self.heap_bytes.saturating_sub(block.size);
+            // A block live at attach was not allocated by a call.
+            if previous != 0 && Some(previous) == e.alloc_id && block.op != Op::Inventory {
+                let cell = &self.cells[block.cell as usize];
+                let owner = CallKey {
+                    stack: cell.stack,
+                    thread: cell.thread,
+                    op: block.op,
+                };
+                if let Some(owner) = self.calls.get_mut(&owner) {
+                    owner.stats.temporary += 1;
+                }
+            }
+            self.change(block.cell, block.size, false);
+        }
         let key = CallKey {
             stack: e.stack_id,
             thread,
             op: e.op,
         };
-        let previous = self.last_of_thread.insert(thread, e.id);
-        let released = e.alloc_id.and_then(|id| self.live.remove(&id));
-        if let Some(block) = released {
-            self.heap_bytes = self.heap_bytes.saturating_sub(block.size);
-            self.change(block.stack, block.thread, block.size, false);
-            // A block live at attach was not allocated by a call.
-            if previous == e.alloc_id && block.op != Op::Inventory {
-                let owner = CallKey {
-                    stack: block.stack,
-                    thread: block.thread,
-                    op: block.op,
-                };
-                self.calls.entry(owner).or_default().temporary += 1;
+        let call = match self.calls.get_mut(&key) {
+            Some(call) => call,
+            None => {
+                let cell = self.cell(e.stack_id, thread);
+                self.calls.entry(key).or_insert(CallSlot {
+                    cell,
+                    ..CallSlot::default()
+                })
             }
-        }
+        };
         let allocated = e.op.allocates() && e.ptr != 0;
         let size = e.size.unwrap_or(0);
-        let stats = self.calls.entry(key).or_default();
+        let stats = &mut call.stats;
         stats.calls += 1;
         stats.releases += u64::from(released.is_some());
         if allocated {
@@ -247,19 +307,19 @@ impl Aggregator {
             stats.failed += 1;
         }
         if allocated {
+            let cell = call.cell;
             self.live.insert(
                 e.id,
                 Block {
                     ptr: e.ptr,
                     size,
-                    stack: e.stack_id,
-                    thread,
-                    op: e.op,
                     ts_ns: e.ts_ns,
+                    cell,
+                    op: e.op,
                 },
             );
             self.heap_bytes = self.heap_bytes.saturating_add(size);
-            self.change(e.stack_id, thread, size, true);
+            self.change(cell, size, true);
         }
         if self.heap_bytes > self.peak.bytes {
             self.peak = PeakTotals {
@@ -284,15 +344,16 @@ impl Aggregator {
     /// it still holds it: it last changed at or before the peak's event and
     /// has no value saved for that peak. A cell not changed since the peak
     /// holds its value then.
-    fn change(&mut self, stack: Option<u64>, thread: u32, size: u64, grow: bool) {
-        let cell = self.cells.entry((stack, thread)).or_default();
+    fn change(&mut self, cell: u32, size: u64, grow: bool) {
+        let cell = &mut self.cells[cell as usize];
         if cell.changed <= self.peak_seq && cell.saved_for != self.peak_seq {
             cell.saved_for = self.peak_seq;
             cell.saved_bytes = cell.bytes;
             cell.saved_blocks = cell.blocks;
         }
         cell.changed = self.seq;
-        let now = self.stacks.entry(stack).or_default();
+        let slot = cell.stack_slot;
+        let now = &mut self.stacks[slot as usize];
         if grow {
             cell.bytes = cell.bytes.saturating_add(size);
             cell.blocks += 1;
@@ -306,7 +367,7 @@ impl Aggregator {
         }
         if !now.dirty {
             now.dirty = true;
-            self.dirty.push(stack);
+            self.dirty.push(slot);
         }
     }
 
@@ -325,11 +386,11 @@ impl Aggregator {
 
     fn close_bucket(&mut self, bucket: u64) {
         let bucket_ns = bucket.saturating_mul(self.resolution_ns);
-        for stack in self.dirty.drain(..) {
-            if let Some(now) = self.stacks.get_mut(&stack) {
+        for slot in self.dirty.drain(..) {
+            if let Some(now) = self.stacks.get_mut(slot as usize) {
                 now.dirty = false;
                 self.closed.push(OverTimeRow {
-                    stack,
+                    stack: now.stack,
                     bucket_ns,
                     bytes: now.bytes,
                     blocks: now.blocks,
@@ -350,7 +411,7 @@ impl Aggregator {
             self.close_bucket(current);
         }
         let mut calls: Vec<(CallKey, CallStats)> =
-            self.calls.iter().map(|(k, v)| (*k, *v)).collect();
+            self.calls.iter().map(|(k, c)| (*k, c.stats)).collect();
         calls.sort_by_key(|(k, _)| *k);
         let mut out = Aggregates {
             calls,
@@ -361,25 +422,26 @@ impl Aggregator {
             last_ns: self.last_ns,
             ..Aggregates::default()
         };
-        for (&alloc_id, b) in &self.live {
+        for (alloc_id, b) in self.live.iter() {
             if self.exec_released.contains(&alloc_id) {
                 out.exec_released_blocks += 1;
                 out.exec_released_bytes = out.exec_released_bytes.saturating_add(b.size);
                 continue;
             }
+            let cell = &self.cells[b.cell as usize];
             out.live.push(LiveBlock {
                 alloc_id,
                 ptr: b.ptr,
                 size: b.size,
-                stack: b.stack,
-                thread: b.thread,
+                stack: cell.stack,
+                thread: cell.thread,
                 op: b.op,
                 ts_ns: b.ts_ns,
             });
         }
         out.live.sort_by_key(|b| b.alloc_id);
         if self.peak_seq > 0 {
-            for (&(stack, thread), cell) in &self.cells {
+            for cell in &self.cells {
                 let (blocks, bytes) = if cell.saved_for == self.peak_seq {
                     (cell.saved_blocks, cell.saved_bytes)
                 } else {
@@ -387,8 +449,8 @@ impl Aggregator {
                 };
                 if blocks > 0 || bytes > 0 {
                     out.at_peak.push(PeakRow {
-                        stack,
-                        thread,
+                        stack: cell.stack,
+                        thread: cell.thread,
                         blocks,
                         bytes,
                     });

@@ -7,29 +7,6 @@ use proptest::prelude::*;
 
 use super::*;
 
-fn ev(id: u64, ts_ns: u64, op: Op, ptr: u64, size: Option<u64>, stack: u64) -> Event {
-    Event {
-        id,
-        ts_ns,
-        pid: 1,
-        tid: 1,
-        op,
-        ptr,
-        size,
-        old_ptr: None,
-        align: None,
-        alloc_id: None,
-        stack_id: Some(stack),
-    }
-}
-
-fn free(id: u64, ts_ns: u64, alloc: u64, stack: u64) -> Event {
-    Event {
-        alloc_id: Some(alloc),
-        ..ev(id, ts_ns, Op::Free, 0x1000 + alloc, None, stack)
-    }
-}
-
 fn key(stack: u64, thread: u32, op: Op) -> CallKey {
     CallKey {
         stack: Some(stack),
@@ -44,12 +21,24 @@ fn totals_leaks_peak_and_temporary() {
     // Stack 1 allocates 100 and 50; stack 2 allocates 30, freed at once
     // (temporary); the 100 is freed; the 50 leaks. A failed malloc.
     let events = [
-        (ev(1, 10, Op::Malloc, 0x1001, Some(100), 1), 0),
-        (ev(2, 20, Op::Malloc, 0x1002, Some(50), 1), 0),
-        (ev(3, 30, Op::Calloc, 0x1003, Some(30), 2), 1),
-        (free(4, 40, 3, 9), 1),
-        (free(5, 150, 1, 9), 0),
-        (ev(6, 160, Op::Malloc, 0, Some(1 << 40), 2), 0),
+        (
+            Event::test(1, 10, 1, Op::Malloc, 0x1001, Some(100), Some(1)),
+            0,
+        ),
+        (
+            Event::test(2, 20, 1, Op::Malloc, 0x1002, Some(50), Some(1)),
+            0,
+        ),
+        (
+            Event::test(3, 30, 1, Op::Calloc, 0x1003, Some(30), Some(2)),
+            1,
+        ),
+        (Event::test_free(4, 40, 1, 0x1000 + 3, 3, Some(9)), 1),
+        (Event::test_free(5, 150, 1, 0x1000 + 1, 1, Some(9)), 0),
+        (
+            Event::test(6, 160, 1, Op::Malloc, 0, Some(1 << 40), Some(2)),
+            0,
+        ),
     ];
     for (e, thread) in &events {
         agg.add(e, *thread);
@@ -163,8 +152,14 @@ fn totals_leaks_peak_and_temporary() {
 fn exec_released_blocks_are_not_leaks_but_count_in_the_heap() {
     let mut agg = Aggregator::new(1_000);
     agg.exec_released(&[1]);
-    agg.add(&ev(1, 1, Op::Malloc, 0x1001, Some(64), 1), 0);
-    agg.add(&ev(2, 2, Op::Malloc, 0x1002, Some(8), 1), 0);
+    agg.add(
+        &Event::test(1, 1, 1, Op::Malloc, 0x1001, Some(64), Some(1)),
+        0,
+    );
+    agg.add(
+        &Event::test(2, 2, 1, Op::Malloc, 0x1002, Some(8), Some(1)),
+        0,
+    );
     let a = agg.finish();
     assert_eq!(a.exec_released_blocks, 1);
     assert_eq!(a.exec_released_bytes, 64);
@@ -175,12 +170,9 @@ fn exec_released_blocks_are_not_leaks_but_count_in_the_heap() {
 #[test]
 fn a_block_live_at_attach_is_never_temporary() {
     let mut agg = Aggregator::new(1_000);
-    let inventory = Event {
-        stack_id: None,
-        ..ev(1, 0, Op::Inventory, 0x1001, Some(16), 0)
-    };
+    let inventory = Event::test(1, 0, 1, Op::Inventory, 0x1001, Some(16), None);
     agg.add(&inventory, 0);
-    agg.add(&free(2, 1, 1, 3), 0);
+    agg.add(&Event::test_free(2, 1, 1, 0x1000 + 1, 1, Some(3)), 0);
     let a = agg.finish();
     assert!(a.calls.iter().all(|(_, s)| s.temporary == 0));
     assert!(a.live.is_empty());
@@ -212,7 +204,7 @@ fn events_of(steps: &[Step]) -> Vec<(Event, u32)> {
             Step::Alloc(size, stack, thread, dt) => {
                 ts += dt;
                 out.push((
-                    ev(id, ts, Op::Malloc, 0x1000 + id, Some(size), stack),
+                    Event::test(id, ts, 1, Op::Malloc, 0x1000 + id, Some(size), Some(stack)),
                     thread,
                 ));
                 live.push(id);
@@ -220,10 +212,16 @@ fn events_of(steps: &[Step]) -> Vec<(Event, u32)> {
             Step::Release(at, stack, thread, dt) => {
                 ts += dt;
                 if live.is_empty() {
-                    out.push((ev(id, ts, Op::Malloc, 0, Some(8), stack), thread));
+                    out.push((
+                        Event::test(id, ts, 1, Op::Malloc, 0, Some(8), Some(stack)),
+                        thread,
+                    ));
                 } else {
                     let alloc = live.remove(at % live.len());
-                    out.push((free(id, ts, alloc, stack), thread));
+                    out.push((
+                        Event::test_free(id, ts, 1, 0x1000 + alloc, alloc, Some(stack)),
+                        thread,
+                    ));
                 }
             }
         }

@@ -62,21 +62,34 @@ CREATE TABLE agg_totals(
 );
 ";
 
-/// Store the buckets of the heap over time closed so far.
+/// Rows of `agg_over_time` inserted by one statement: a full trace of
+/// thousands of stacks closes thousands of rows per bucket.
+const OVER_TIME_CHUNK: usize = 128;
+
+/// Store the buckets of the heap over time closed so far, many rows per
+/// statement.
 pub fn write_over_time(conn: &Connection, rows: &[OverTimeRow]) -> Result<(), SinkError> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    let mut insert = conn.prepare_cached(
-        "INSERT INTO agg_over_time(stack_id, bucket_ns, bytes, blocks) VALUES (?, ?, ?, ?)",
-    )?;
-    for r in rows {
-        insert.execute(params![
-            r.stack.map(int),
-            int(r.bucket_ns),
-            int(r.bytes),
-            int(r.blocks)
-        ])?;
+    let statement = |n: usize| {
+        format!(
+            "INSERT INTO agg_over_time(stack_id, bucket_ns, bytes, blocks) VALUES {}",
+            vec!["(?, ?, ?, ?)"; n].join(",")
+        )
+    };
+    // Whole chunks by one statement, the rest one row at a time (one
+    // statement each, so the cache holds two).
+    let whole = rows.len() / OVER_TIME_CHUNK * OVER_TIME_CHUNK;
+    let chunks = rows[..whole]
+        .chunks(OVER_TIME_CHUNK)
+        .chain(rows[whole..].chunks(1));
+    for chunk in chunks {
+        let mut insert = conn.prepare_cached(&statement(chunk.len()))?;
+        for (i, r) in chunk.iter().enumerate() {
+            insert.raw_bind_parameter(4 * i + 1, r.stack.map(int))?;
+            insert.raw_bind_parameter(4 * i + 2, int(r.bucket_ns))?;
+            insert.raw_bind_parameter(4 * i + 3, int(r.bytes))?;
+            insert.raw_bind_parameter(4 * i + 4, int(r.blocks))?;
+        }
+        insert.raw_execute()?;
     }
     Ok(())
 }

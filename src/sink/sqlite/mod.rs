@@ -13,7 +13,6 @@
 mod aggregates;
 mod heap;
 mod nodes;
-mod open_blocks;
 mod rows;
 mod schema;
 #[cfg(test)]
@@ -28,7 +27,6 @@ use super::aggregate::Aggregator;
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::Event;
 use nodes::NodeRows;
-use open_blocks::OpenBlocks;
 use rows::{EventRow, Num, int, write_map};
 pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 
@@ -55,6 +53,10 @@ const CACHE_KIB: i64 = 64 * 1024;
 /// the blocks still open, written twice (WAL, then the database).
 const ROOM: u64 = 8 << 20;
 
+/// Buckets of the heap over time until [`SqliteSink::aggregate`] says
+/// otherwise: `--resolution`'s default, 100 ms.
+const DEFAULT_RESOLUTION_NS: u64 = 100_000_000;
+
 /// SQLite's largest `max_page_count`: no limit.
 const NO_PAGE_LIMIT: i64 = 0xffff_fffe;
 
@@ -77,8 +79,6 @@ pub struct SqliteSink {
     last_id: u64,
     /// The (pid, tid) of the last event and its code: most events repeat it.
     last_thread: ((u32, u32), i64),
-    /// Allocations no release has named yet: the leaks, if the trace ended now.
-    open_blocks: OpenBlocks,
     /// Room given back when the disk is full, for the end (none when the
     /// filesystem could not allocate it).
     room: Option<std::fs::File>,
@@ -88,9 +88,9 @@ pub struct SqliteSink {
     /// The storage could not grow: the events after the last commit before
     /// that are not stored.
     stopped_growing: bool,
-    /// The reports' figures, kept as the events go by: with `--aggregate`
-    /// (see [`SqliteSink::aggregate`]).
-    aggregator: Option<Aggregator>,
+    /// The reports' figures, kept as the events go by, in both modes; its
+    /// live blocks are the leaks, if the trace ended now.
+    aggregator: Aggregator,
     /// `--aggregate`: no `event_log` rows, only the aggregates.
     aggregate_only: bool,
 }
@@ -145,12 +145,11 @@ impl SqliteSink {
             chunk_sql,
             last_id: 0,
             last_thread: ((0, 0), -1),
-            open_blocks: OpenBlocks::default(),
             room: crate::os::room::keep(&dir, ROOM).ok(),
             dir,
             max_size: None,
             stopped_growing: false,
-            aggregator: None,
+            aggregator: Aggregator::new(DEFAULT_RESOLUTION_NS),
             aggregate_only: false,
         })
     }
@@ -165,19 +164,11 @@ impl SqliteSink {
         Ok(())
     }
 
-    /// When `aggregate_only` (`--aggregate`), keep the aggregates, with the
-    /// heap over time in buckets of `resolution_ns`, and store no row per
-    /// event. Before the first event.
-    ///
-    /// A full trace keeps no aggregates: its reports read the events. Kept
-    /// beside the rows, the aggregator's second map of live blocks cost a
-    /// full trace about 1 us of CPU per event (python3, 4.1 M calls: 9.1-11.8
-    /// s of CPU in all without, 14.1-14.4 s with) and 200-300 MB. Tests
-    /// compare the two in one trace with `MEMPTRACE_AGGREGATE_FULL=1` (debug
-    /// builds only).
+    /// Keep the heap over time in buckets of `resolution_ns`, and when
+    /// `aggregate_only` (`--aggregate`) store no row per event, only the
+    /// aggregates. Before the first event.
     pub fn aggregate(&mut self, aggregate_only: bool, resolution_ns: u64) {
-        let also = cfg!(debug_assertions) && std::env::var_os("MEMPTRACE_AGGREGATE_FULL").is_some();
-        self.aggregator = (aggregate_only || also).then(|| Aggregator::new(resolution_ns));
+        self.aggregator = Aggregator::new(resolution_ns);
         self.aggregate_only = aggregate_only;
     }
 
@@ -207,17 +198,10 @@ impl SqliteSink {
 
     fn write_event(&mut self, event: &Event) -> Result<(), SinkError> {
         let thread = self.thread_code(event.pid, event.tid)?;
-        if let Some(aggregator) = &mut self.aggregator {
-            aggregator.add(event, thread as u32);
-        }
+        self.aggregator.add(event, thread as u32);
         if self.aggregate_only {
             return Ok(());
         }
-        self.open_blocks.record(
-            event.id,
-            event.op.allocates() && event.ptr != 0,
-            event.alloc_id,
-        );
         let mut row = EventRow::encode(event, thread);
         // SQLite gives a row without an id the largest id plus one, without
         // the search that checks an explicit id is new: ids come in
@@ -418,9 +402,7 @@ impl EventSink for SqliteSink {
     fn write(&mut self, record: &Record) -> Result<(), SinkError> {
         self.check()?;
         if let Record::ExecReleased { alloc_ids, .. } = record {
-            if let Some(aggregator) = &mut self.aggregator {
-                aggregator.exec_released(alloc_ids);
-            }
+            self.aggregator.exec_released(alloc_ids);
         }
         let result = self.begin().and_then(|()| match record {
             Record::Event(event) => self.write_event(event),
@@ -437,11 +419,7 @@ impl EventSink for SqliteSink {
         if !self.in_transaction {
             return Ok(());
         }
-        let over_time = self
-            .aggregator
-            .as_mut()
-            .map(Aggregator::take_over_time)
-            .unwrap_or_default();
+        let over_time = self.aggregator.take_over_time();
         let result = self
             .flush_events()
             .and_then(|()| self.flush_nodes())
@@ -469,24 +447,20 @@ impl EventSink for SqliteSink {
         }
         conn.execute_batch(schema::CALL_SITES_AT_FINISH)?;
         // A full trace whose storage stopped growing lost events the
-        // aggregator saw: its reports read the events stored instead.
-        if let Some(aggregator) = &mut self.aggregator {
-            if self.aggregate_only || !self.stopped_growing {
-                aggregates::write_all(&conn, aggregator)?;
-            }
-        }
-        match self.open_blocks.ids() {
-            Some(ids) => {
-                let mut insert = conn.prepare("INSERT INTO open_blocks(alloc_id) VALUES (?)")?;
-                for id in ids {
-                    insert.execute([int(id)])?;
-                }
-            }
-            None => {
-                conn.execute_batch(&format!(
-                    "INSERT INTO open_blocks(alloc_id) SELECT a.id FROM event_log a WHERE {}",
-                    schema::unreleased("a")
-                ))?;
+        // aggregator saw: its reports read the events stored instead, and
+        // its leaks are found by the query behind `leaks`. Otherwise the
+        // blocks still live are the aggregator's.
+        if self.stopped_growing && !self.aggregate_only {
+            conn.execute_batch(&format!(
+                "INSERT INTO open_blocks(alloc_id) SELECT a.id FROM event_log a WHERE {}",
+                schema::unreleased("a")
+            ))?;
+        } else {
+            aggregates::write_all(&conn, &mut self.aggregator)?;
+            if !self.aggregate_only {
+                conn.execute_batch(
+                    "INSERT INTO open_blocks(alloc_id) SELECT alloc_id FROM agg_live",
+                )?;
             }
         }
         // Blocks an exec released are not open, whichever order their
@@ -545,7 +519,6 @@ impl EventSink for SqliteSink {
         self.pending.clear();
         self.nodes.clear();
         // Its allocations may have been rolled back: `finish` asks SQLite.
-        self.open_blocks.give_up();
         self.stopped_growing = true;
         Some(reason)
     }

@@ -277,6 +277,25 @@ fn views() -> String {
         op = op_name("a"),
     );
     let unreleased = unreleased("a");
+    // The leaks of a finished trace are its rows of agg_live (those of
+    // open_blocks): read there, the event log is not read at all. A trace
+    // without aggregates (its storage stopped growing) joins open_blocks
+    // with the event log; one not finished searches the log. An arm that
+    // does not apply has an empty range of ids, which SQLite skips without
+    // a scan (a NOT EXISTS alone still scans).
+    let live_columns = "l.ptr AS ptr, l.size AS size,
+         (SELECT tid FROM event_threads WHERE code = l.thread) AS tid,
+         (SELECT pid FROM event_threads WHERE code = l.thread) AS pid, l.op AS op,
+         l.alloc_id AS alloc_id, l.ts_ns AS alloc_ns, NULL AS free_ns, NULL AS free_op,
+         NULL AS free_id, l.stack_id AS alloc_stack_id, NULL AS free_stack_id,
+         NULL AS free_tid";
+    let unless = |table: &str| {
+        format!(
+            "(SELECT CASE WHEN count(*) = 0 THEN {} ELSE -1 END FROM {table})",
+            i64::MAX
+        )
+    };
+    let (unless_agg, unless_finished) = (unless("agg_totals"), unless("trace_finished"));
     // 1 when event `e` returned a block, else 0 (heap_over_time).
     let allocated = format!("(e.kind & 15 <> {free} AND coalesce(e.ptr, 0) <> 0)");
     let line_loc = location("l");
@@ -298,13 +317,16 @@ SELECT e.id AS id,
 FROM event_log e;
 
 CREATE VIEW leaks AS
+SELECT {live_columns}
+FROM open_blocks b JOIN agg_live l ON l.alloc_id = b.alloc_id
+UNION ALL
 SELECT {leak_columns}
 FROM open_blocks b JOIN event_log a ON a.id = b.alloc_id
-WHERE EXISTS (SELECT 1 FROM trace_finished)
+WHERE b.alloc_id <= {unless_agg}
 UNION ALL
 SELECT {leak_columns}
 FROM event_log a
-WHERE NOT EXISTS (SELECT 1 FROM trace_finished) AND {unreleased};
+WHERE a.id <= {unless_finished} AND {unreleased};
 
 CREATE VIEW allocations AS
 SELECT {pair_columns}
