@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::inject::InjectError;
 use super::pauses::PauseClock;
-use super::probes::int3::{self, InStub, RETURN_INT3};
+use super::probes::int3::{self, InStub};
 use super::process::Role;
 use super::space::SpaceError;
 use super::stop::Stopped;
@@ -227,7 +227,7 @@ impl Tracer {
             let pop_ret = *pop_rets.entry(owner).or_insert_with(|| space.pop_ret());
             let to = pop_ret.unwrap_or_else(|| {
                 keep_pages.insert(owner);
-                stub + RETURN_INT3 + 1
+                stub + int3::stub().unlea
             });
             mem::write_data(pid, sp - 16, &to.to_le_bytes())?;
         }

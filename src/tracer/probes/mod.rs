@@ -28,7 +28,7 @@ use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::mem::CodeWriter;
 use crate::os::ptrace::Regs;
-use int3::{Displaced, InStub, RETURN_INT3};
+use int3::{Displaced, InStub};
 
 /// What a hooked entry is for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +53,7 @@ pub enum Probe {
         resume_at: u64,
         /// Where it resumes instead when memptrace wants the call's result:
         /// the slot's call stub, which returns through the int3 at
-        /// `stub + RETURN_INT3`.
+        /// `stub +` [`int3::Stub::return_int3`].
         stub: u64,
         /// What the slot holds at `resume_at`.
         displaced: Displaced,
@@ -66,16 +66,12 @@ pub enum Probe {
 }
 
 impl Probe {
-    /// The bytes that patch the function's entry, at `at`.
-    pub fn patch(&self, at: u64) -> Vec<u8> {
+    /// The bytes that patch the function's entry, at `at`; `None` when the
+    /// probe lies out of a jump's reach (a space never puts it there).
+    pub fn patch(&self, at: u64) -> Option<Vec<u8>> {
         match self {
-            Probe::Int3 { .. } | Probe::Jump { via_int3: true, .. } => vec![int3::INT3],
-            Probe::Jump { code, .. } => {
-                let rel = code.entry.wrapping_sub(at + jump::plan::JUMP_LEN) as i64 as i32;
-                let mut bytes = vec![0xe9];
-                bytes.extend(rel.to_le_bytes());
-                bytes
-            }
+            Probe::Int3 { .. } | Probe::Jump { via_int3: true, .. } => Some(vec![int3::INT3]),
+            Probe::Jump { code, .. } => Some(jump::plan::jump(at, code.entry)?.to_vec()),
         }
     }
 }
@@ -135,7 +131,13 @@ impl Hooks {
     /// Write the probe's patch over the entry (its code is in place) and
     /// book the hook.
     pub fn plant(&mut self, mem: &CodeWriter, hook: Hook) -> io::Result<()> {
-        mem.write(hook.addr, &hook.probe.patch(hook.addr))?;
+        let patch = hook.probe.patch(hook.addr).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the probe of {:#x} is out of a jump's reach", hook.addr),
+            )
+        })?;
+        mem.write(hook.addr, &patch)?;
         self.book(hook);
         Ok(())
     }
@@ -145,7 +147,8 @@ impl Hooks {
     pub fn book(&mut self, hook: Hook) {
         match &hook.probe {
             Probe::Int3 { stub, .. } => {
-                self.returns.insert(stub + RETURN_INT3, hook.addr);
+                self.returns
+                    .insert(stub + int3::stub().return_int3, hook.addr);
             }
             Probe::Jump { code, .. } => {
                 self.misses.insert(code.miss, hook.addr);
@@ -277,7 +280,8 @@ mod tests {
         // Elsewhere: nothing to do.
         let mut r = regs(0x400000, 0x7ffc_0000_0000);
         assert_eq!(hooks.leave(&mut r, &stack), Some(false));
-        assert!(hooks.is_return(slot + RETURN_INT3));
-        assert!(!hooks.is_return(slot + RETURN_INT3 + 1));
+        let return_int3 = int3::stub().return_int3;
+        assert!(hooks.is_return(slot + return_int3));
+        assert!(!hooks.is_return(slot + return_int3 + 1));
     }
 }

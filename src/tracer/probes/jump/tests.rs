@@ -140,9 +140,7 @@ impl Rig {
         let code = probe(&spec, at).unwrap();
         self.code.write(self.next_probe, &code.bytes);
         self.next_probe += code.bytes.len().next_multiple_of(64);
-        let rel = (code.entry as i64 - (plan.at as i64 + 5)) as i32;
-        let mut jump = vec![0xe9];
-        jump.extend(rel.to_le_bytes());
+        let jump = super::plan::jump(plan.at, code.entry).unwrap();
         self.code
             .write((plan.at - self.code.addr()) as usize, &jump);
         (plan, code)
@@ -492,9 +490,7 @@ fn the_gate_of_dl_debug_state_goes_straight_on_without_memptrace() {
     let gate = super::liveness::gate(rig.control.addr(), &plan.displaced, plan.resume, at).unwrap();
     rig.code.write(rig.next_probe, &gate.bytes);
     rig.next_probe += gate.bytes.len().next_multiple_of(64);
-    let rel = (gate.entry as i64 - (plan.at as i64 + 5)) as i32;
-    let mut jump = vec![0xe9];
-    jump.extend(rel.to_le_bytes());
+    let jump = super::plan::jump(plan.at, gate.entry).unwrap();
     rig.code.write(DEBUG_STATE, &jump);
     assert!(gate.entry < gate.miss && gate.miss < gate.displaced);
     assert_eq!(gate.displaced_map[0], (gate.displaced, addr));
