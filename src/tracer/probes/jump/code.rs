@@ -51,7 +51,7 @@ use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Instruction};
 
 use super::labels::{Labels, arg_regs};
-use super::layout::{self, Called, dir, record, rule, slot};
+use super::layout::{self, Called, RecordHead, dir, record, rule, slot};
 use super::liveness::if_gone_keeping;
 use super::walk::{cache_entry, find_slot, signal_frame};
 use crate::event::Op;
@@ -356,7 +356,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     for reg in [r15, r14, r13, r12, rbp, rbx] {
         a.pop(reg)?;
     }
-    a.shl(ecx, 16)?;
+    a.shl(ecx, layout::PENDING_FLAGS_SHIFT)?;
     a.or(rax, rcx)?;
     a.mov(qword_ptr(r10 + slot::PENDING_FRAMES as i32), rax)?;
 
@@ -567,21 +567,25 @@ fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedErro
         a.mov(rcx, qword_ptr(r10 + from as i32))?;
         a.mov(qword_ptr(r11 + to as i32), rcx)?;
     }
-    // Header: size | frames << 16 | flags << 32 | op << 40 | probe << 48.
+    // The header (see `RecordHead`): the frames and flags the walk left in
+    // the slot, the size they make, and the op and probe, known now.
+    const { assert!(RecordHead::SIZE_SHIFT == 0) };
     a.mov(rcx, qword_ptr(r10 + slot::PENDING_FRAMES as i32))?;
     a.movzx(edi, cx)?;
     a.lea(rdx, qword_ptr(rdi * 8 + spec.what.frames_at() as i32))?;
     a.add(r8, rdx)?; // the head past this record
-    a.shl(rdi, 16)?;
+    a.shl(rdi, RecordHead::FRAMES_SHIFT)?;
     a.or(rdi, rdx)?;
-    a.shr(ecx, 16)?;
+    a.shr(ecx, layout::PENDING_FLAGS_SHIFT)?;
     a.and(ecx, 0xff)?;
-    a.shl(rcx, 32)?;
+    a.shl(rcx, RecordHead::FLAGS_SHIFT)?;
     a.or(rdi, rcx)?;
-    a.mov(
-        rax,
-        (u64::from(spec.what.code()) << 40) | (u64::from(spec.id) << 48),
-    )?;
+    let known = RecordHead {
+        op: spec.what.code(),
+        probe: spec.id,
+        ..RecordHead::default()
+    };
+    a.mov(rax, known.pack())?;
     a.or(rdi, rax)?;
     a.mov(qword_ptr(r11 + record::HEAD as i32), rdi)?;
     a.mov(rax, spec.control + layout::SEQ)?;

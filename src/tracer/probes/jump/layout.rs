@@ -145,7 +145,7 @@ pub struct Slot {
     pub arg1: u64,
     pub arg2: u64,
     /// Frames it recorded at its entry, waiting in the ring past the head
-    /// (the count, and the record's flags << 16).
+    /// (the count, and the record's flags: see [`PENDING_FLAGS_SHIFT`]).
     pub pending_frames: u64,
     /// Calls of the thread seen but not recorded: nested in a pending call
     /// or in a probe interrupted by a signal handler.
@@ -292,9 +292,7 @@ pub const AREA_SIZE: u64 = CACHES + (SLOTS + PROBES) * CACHE_SIZE;
 /// An allocator call's record (8-byte aligned), followed by its frames.
 #[repr(C)]
 pub struct Record {
-    /// u16 size of the record in bytes, u16 frames, u8 flags, u8 op
-    /// (`Op as u8`; a mapping call's: [`record::MAP_OPS`] + its index in
-    /// `MapOp::ALL`), u16 the probe's number.
+    /// A [`RecordHead`], packed.
     pub head: u64,
     pub seq: u64,
     pub tsc: u64,
@@ -355,6 +353,57 @@ pub mod record {
     /// Flag: `--max-depth` frames were taken.
     pub const FULL: u8 = 2;
 }
+
+/// A record's header word ([`Record::head`]), the one format both sides
+/// share: the probe packs it (`code::finish_record`, with these shifts
+/// and, for its constant part, [`RecordHead::pack`]) and memptrace unpacks
+/// it with [`RecordHead::unpack`] before it checks it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecordHead {
+    /// Bytes of the record, its frames included.
+    pub size: u16,
+    pub frames: u16,
+    /// [`record::TRUNCATED`], [`record::FULL`].
+    pub flags: u8,
+    /// `Op as u8`; a mapping call's: [`record::MAP_OPS`] + its index in
+    /// `MapOp::ALL` (see [`Called::code`]).
+    pub op: u8,
+    /// The probe's number in its space.
+    pub probe: u16,
+}
+
+impl RecordHead {
+    pub const SIZE_SHIFT: u32 = 0;
+    pub const FRAMES_SHIFT: u32 = 16;
+    pub const FLAGS_SHIFT: u32 = 32;
+    pub const OP_SHIFT: u32 = 40;
+    pub const PROBE_SHIFT: u32 = 48;
+
+    pub fn pack(self) -> u64 {
+        u64::from(self.size) << Self::SIZE_SHIFT
+            | u64::from(self.frames) << Self::FRAMES_SHIFT
+            | u64::from(self.flags) << Self::FLAGS_SHIFT
+            | u64::from(self.op) << Self::OP_SHIFT
+            | u64::from(self.probe) << Self::PROBE_SHIFT
+    }
+
+    /// Every word is some header: whether its fields make sense is for the
+    /// reader to check (`decode::decode_header`).
+    pub fn unpack(word: u64) -> RecordHead {
+        RecordHead {
+            size: (word >> Self::SIZE_SHIFT) as u16,
+            frames: (word >> Self::FRAMES_SHIFT) as u16,
+            flags: (word >> Self::FLAGS_SHIFT) as u8,
+            op: (word >> Self::OP_SHIFT) as u8,
+            probe: (word >> Self::PROBE_SHIFT) as u16,
+        }
+    }
+}
+
+/// How a slot's [`Slot::pending_frames`] holds a call's frame count (low
+/// 16 bits) and its record's flags (from this bit on), between the walk
+/// and the record.
+pub const PENDING_FLAGS_SHIFT: u32 = 16;
 
 /// What a probe records: an allocator call, or a mapping call (six
 /// arguments, in a slot of its own: see [`MAP_KEY`]).
@@ -493,6 +542,23 @@ mod tests {
         assert_eq!(record::ARG3, record::STORED);
         assert_eq!((record::FRAMES, record::MAP_FRAMES), (64, 80));
         assert_eq!(MAP_RECORD_HEADER, 80);
+    }
+
+    #[test]
+    fn a_record_head_packs_and_unpacks() {
+        let head = RecordHead {
+            size: 0x1234,
+            frames: 0xfedc,
+            flags: record::TRUNCATED | record::FULL,
+            op: record::MAP_OPS + 3,
+            probe: 0xabcd,
+        };
+        let word = head.pack();
+        assert_eq!(word, 0xabcd_4303_fedc_1234);
+        assert_eq!(RecordHead::unpack(word), head);
+        for word in [0, u64::MAX, 0x8000_0000_0000_0001] {
+            assert_eq!(RecordHead::unpack(word).pack(), word);
+        }
     }
 
     #[test]

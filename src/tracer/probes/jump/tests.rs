@@ -7,7 +7,7 @@
 use iced_x86::code_asm::*;
 
 use super::code::{ProbeCode, ProbeSpec, probe};
-use super::layout::{self, Called, dir, record, rule, slot};
+use super::layout::{self, Called, RecordHead, dir, record, rule, slot};
 use super::plan::{Plan, plan};
 use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
@@ -166,13 +166,13 @@ impl Rig {
         while at < head {
             let r = ring + at % layout::RING_SIZE as usize;
             let word = |f: u64| self.control.read_u64(r + f as usize);
-            let h = word(record::HEAD);
-            let size = (h & 0xffff) as usize;
-            let frames = ((h >> 16) & 0xffff) as usize;
+            // The header the probe packed, unpacked the one way memptrace does.
+            let h = RecordHead::unpack(word(record::HEAD));
+            let (size, frames) = (usize::from(h.size), usize::from(h.frames));
             out.push(Rec {
-                op: (h >> 40) as u8,
-                probe: (h >> 48) as u16,
-                flags: (h >> 32) as u8,
+                op: h.op,
+                probe: h.probe,
+                flags: h.flags,
                 seq: word(record::SEQ),
                 args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
                 ret: word(record::RET),
