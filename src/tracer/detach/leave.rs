@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::io;
 
 use crate::os::ptrace::Tid;
-use crate::tracer::probes::int3::{self, InStub, RETURN_INT3};
+use crate::tracer::probes::int3::{self, InStub};
 use crate::tracer::space::Space;
 use crate::tracer::target::Target;
 
@@ -63,7 +63,7 @@ pub fn send_calls_home<'s, T: Target + ?Sized>(
         let pop_ret = *pop_rets.entry(owner).or_insert_with(|| space.pop_ret());
         let to = pop_ret.unwrap_or_else(|| {
             keep_pages.insert(owner);
-            call.stub + RETURN_INT3 + 1
+            call.stub + int3::stub().unlea
         });
         target.write_data(call.pid, slot, &to.to_le_bytes())?;
     }

@@ -114,7 +114,7 @@ fn without_a_pop_ret_a_call_returns_past_the_int3_and_the_pages_stay() {
     };
     let mut keep = HashSet::new();
     send_calls_home(&mut target, &[call], |_| Some(&fake.space), &mut keep).unwrap();
-    assert_eq!(word(&fake, STACK + 16), stub + RETURN_INT3 + 1);
+    assert_eq!(word(&fake, STACK + 16), stub + int3::stub().unlea);
     assert_eq!(keep, HashSet::from([PID]));
 }
 
@@ -122,7 +122,7 @@ fn without_a_pop_ret_a_call_returns_past_the_int3_and_the_pages_stay() {
 fn a_call_whose_thread_stands_in_the_stub_is_left_to_move_out() {
     let (fake, mut target, _, stub) = hooked();
     let mut keep = HashSet::new();
-    for rip in [stub, stub + 5, stub + RETURN_INT3, stub + 16] {
+    for rip in [stub, stub + 5, stub + int3::stub().return_int3, stub + 16] {
         target.stopped_at(TID, rip, STACK);
         let call = Pending {
             tid: TID,

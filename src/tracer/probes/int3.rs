@@ -15,6 +15,7 @@
 //! they stand for. This module is pure: it computes bytes and addresses; the
 //! space writes them.
 
+use iced_x86::code_asm::{CodeAssembler, IcedError, qword_ptr, rsp};
 use iced_x86::{
     BlockEncoder, BlockEncoderOptions, Code, Decoder, DecoderOptions, Instruction, InstructionBlock,
 };
@@ -23,20 +24,73 @@ use iced_x86::{
 pub const INT3: u8 = 0xcc;
 /// Bytes per slot: the call stub, then the displaced instruction.
 pub const SLOT_SIZE: u64 = 64;
-/// Offset of the int3 a call through the stub returns to.
-pub const RETURN_INT3: u64 = 10;
 /// Offset of the displaced instruction (the longest x86 instruction is 15
 /// bytes; relocated, plus the jump back, it fits in 32).
 pub const DISPLACED: u64 = 32;
-/// The stub: `lea rsp, [rsp-8]; call slot+DISPLACED; int3; lea rsp, [rsp+8];
-/// ret`. The `call` is patched in by [`slot_code`].
-const STUB: [u8; 17] = [
-    0x48, 0x8d, 0x64, 0x24, 0xf8, // lea rsp, [rsp-8]
-    0xe8, 0, 0, 0, 0,    // call rel32 (to the displaced instruction)
-    0xcc, // int3: the return stop
-    0x48, 0x8d, 0x64, 0x24, 0x08, // lea rsp, [rsp+8]
-    0xc3, // ret: to the allocator's caller
-];
+
+/// The call stub at the start of every slot: `lea rsp, [rsp-8]; call
+/// slot+DISPLACED; int3; lea rsp, [rsp+8]; ret`, assembled once, with the
+/// offset of each place a thread can stop in it taken from its labels.
+#[derive(Debug)]
+pub struct Stub {
+    /// The stub's code, position independent (the call is relative),
+    /// padded with int3 to [`DISPLACED`].
+    pub bytes: Vec<u8>,
+    /// The `call`: the `lea` before it has run.
+    pub call: u64,
+    /// The int3 a call through the stub returns to.
+    pub return_int3: u64,
+    /// The `lea` that undoes the first.
+    pub unlea: u64,
+    /// The `ret` to the allocator's caller.
+    pub ret: u64,
+}
+
+/// The stub (see [`Stub`]).
+pub fn stub() -> &'static Stub {
+    static STUB: std::sync::LazyLock<Stub> = std::sync::LazyLock::new(|| {
+        assemble_stub().expect("the int3 call stub assembles (a unit test decodes it)")
+    });
+    &STUB
+}
+
+fn assemble_stub() -> Option<Stub> {
+    let assembled = || -> Result<(Vec<u8>, [u64; 4]), IcedError> {
+        let mut a = CodeAssembler::new(64)?;
+        let mut labels = [(); 4].map(|_| a.create_label());
+        let [call, return_int3, unlea, ret] = &mut labels;
+        a.lea(rsp, qword_ptr(rsp - 8))?;
+        a.set_label(call)?;
+        // Assembled at 0: the relative call reaches the displaced
+        // instruction wherever the slot lies.
+        a.call(DISPLACED)?;
+        a.set_label(return_int3)?;
+        a.int3()?;
+        a.set_label(unlea)?;
+        a.lea(rsp, qword_ptr(rsp + 8))?;
+        a.set_label(ret)?;
+        a.ret()?;
+        let result = a.assemble_options(0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+        let mut offsets = [0; 4];
+        for (offset, label) in offsets.iter_mut().zip(&labels) {
+            *offset = result.label_ip(label)?;
+        }
+        Ok((result.inner.code_buffer, offsets))
+    };
+    let (mut bytes, [call, return_int3, unlea, ret]) = assembled().ok()?;
+    if bytes.len() as u64 > DISPLACED {
+        return None;
+    }
+    bytes.resize(DISPLACED as usize, INT3);
+    Some(Stub {
+        bytes,
+        call,
+        return_int3,
+        unlea,
+        ret,
+    })
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RelocateError {
     #[error("cannot decode the instruction at {0:#x}")]
@@ -53,7 +107,7 @@ pub enum RelocateError {
 ///   function. The call goes on as if no breakpoint were there.
 /// - `slot` (the stub), when memptrace wants the call's result: the stub
 ///   *calls* the displaced instruction, so the function returns into the stub,
-///   to the int3 at `slot + RETURN_INT3`, where memptrace reads rax; after it,
+///   to the int3 at `slot +` [`Stub::return_int3`], where memptrace reads rax; after it,
 ///   `ret` returns to the real caller. Nothing is written to the target's
 ///   stack by memptrace and no register changes at the return stop, and calls
 ///   and returns stay paired (a shadow stack sees nothing amiss). The `lea`
@@ -65,11 +119,7 @@ pub enum RelocateError {
 /// Returns the slot's bytes and its displaced part (at `slot + DISPLACED`).
 pub fn slot_code(code: &[u8], addr: u64, slot: u64) -> Result<(Vec<u8>, Displaced), RelocateError> {
     let displaced = displaced(code, addr, slot + DISPLACED)?;
-    let mut bytes = vec![0xcc; DISPLACED as usize];
-    bytes[..STUB.len()].copy_from_slice(&STUB);
-    // call rel32 at offset 5: relative to the end of the call, offset 10.
-    let rel = (DISPLACED - RETURN_INT3) as i32;
-    bytes[6..10].copy_from_slice(&rel.to_le_bytes());
+    let mut bytes = stub().bytes.clone();
     bytes.extend_from_slice(&displaced.bytes);
     Ok((bytes, displaced))
 }
@@ -88,14 +138,14 @@ pub enum InStub {
 }
 
 /// See [`InStub`].
-pub fn in_stub(rip: u64, stub: u64) -> InStub {
-    match rip.wrapping_sub(stub) {
+pub fn in_stub(rip: u64, at: u64) -> InStub {
+    let s = stub();
+    match rip.wrapping_sub(at) {
         0 => InStub::NotCalled { pop: 0 },
-        5 => InStub::NotCalled { pop: 8 },
+        off if off == s.call => InStub::NotCalled { pop: 8 },
         // At the int3 or past it, before `lea rsp, [rsp+8]`.
-        RETURN_INT3 | 11 => InStub::Returned { at: 8, pop: 16 },
-        // At the `ret`.
-        16 => InStub::Returned { at: 0, pop: 8 },
+        off if off == s.return_int3 || off == s.unlea => InStub::Returned { at: 8, pop: 16 },
+        off if off == s.ret => InStub::Returned { at: 0, pop: 8 },
         _ => InStub::No,
     }
 }
@@ -212,7 +262,7 @@ mod tests {
         );
         assert_eq!(stub[0].memory_displacement64() as i64, -8);
         assert_eq!(stub[1].near_branch_target(), slot + DISPLACED);
-        assert_eq!(stub[2].ip(), slot + RETURN_INT3);
+        assert_eq!(stub[2].ip(), slot + super::stub().return_int3);
         assert_eq!(stub[3].memory_displacement64(), 8);
         let displaced = decode_all(&bytes[DISPLACED as usize..], slot + DISPLACED);
         assert_eq!(displaced[0].mnemonic(), Mnemonic::Push);
@@ -225,8 +275,8 @@ mod tests {
         assert_eq!(in_stub(stub, stub), InStub::NotCalled { pop: 0 });
         assert_eq!(in_stub(stub + 5, stub), InStub::NotCalled { pop: 8 });
         let returned = InStub::Returned { at: 8, pop: 16 };
-        assert_eq!(in_stub(stub + RETURN_INT3, stub), returned);
-        assert_eq!(in_stub(stub + RETURN_INT3 + 1, stub), returned);
+        assert_eq!(in_stub(stub + 10, stub), returned);
+        assert_eq!(in_stub(stub + 11, stub), returned);
         assert_eq!(in_stub(stub + 16, stub), InStub::Returned { at: 0, pop: 8 });
         for other in [stub + 1, stub + 12, stub + DISPLACED, stub - 1] {
             assert_eq!(in_stub(other, stub), InStub::No);
@@ -235,7 +285,9 @@ mod tests {
         let (bytes, _) = slot_code(&[0x41, 0x54], 0x7f00_0000_1000, 0x7f00_0000_0000).unwrap();
         let insns = decode_all(&bytes[..DISPLACED as usize], 0);
         let ips: Vec<u64> = insns.iter().take(5).map(|i| i.ip()).collect();
-        assert_eq!(ips, [0, 5, RETURN_INT3, 11, 16]);
+        assert_eq!(ips, [0, 5, 10, 11, 16]);
+        let s = super::stub();
+        assert_eq!([s.call, s.return_int3, s.unlea, s.ret], [5, 10, 11, 16]);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use std::ops::Range;
 use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::ptrace::Regs;
-use int3::{Displaced, InStub, RETURN_INT3};
+use int3::{Displaced, InStub};
 
 /// What a hooked entry is for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub enum Probe {
         resume_at: u64,
         /// Where it resumes instead when memptrace wants the call's result:
         /// the slot's call stub, which returns through the int3 at
-        /// `stub + RETURN_INT3`.
+        /// `stub +` [`int3::Stub::return_int3`].
         stub: u64,
         /// What the slot holds at `resume_at`.
         displaced: Displaced,
@@ -64,16 +64,12 @@ pub enum Probe {
 }
 
 impl Probe {
-    /// The bytes that patch the function's entry, at `at`.
-    pub fn patch(&self, at: u64) -> Vec<u8> {
+    /// The bytes that patch the function's entry, at `at`; `None` when the
+    /// probe lies out of a jump's reach (a space never puts it there).
+    pub fn patch(&self, at: u64) -> Option<Vec<u8>> {
         match self {
-            Probe::Int3 { .. } | Probe::Jump { via_int3: true, .. } => vec![int3::INT3],
-            Probe::Jump { code, .. } => {
-                let rel = code.entry.wrapping_sub(at + jump::plan::JUMP_LEN) as i64 as i32;
-                let mut bytes = vec![0xe9];
-                bytes.extend(rel.to_le_bytes());
-                bytes
-            }
+            Probe::Int3 { .. } | Probe::Jump { via_int3: true, .. } => Some(vec![int3::INT3]),
+            Probe::Jump { code, .. } => Some(jump::plan::jump(at, code.entry)?.to_vec()),
         }
     }
 }
@@ -135,7 +131,8 @@ impl Hooks {
     pub fn book(&mut self, hook: Hook) {
         match &hook.probe {
             Probe::Int3 { stub, .. } => {
-                self.returns.insert(stub + RETURN_INT3, hook.addr);
+                self.returns
+                    .insert(stub + int3::stub().return_int3, hook.addr);
             }
             Probe::Jump { code, .. } => {
                 self.misses.insert(code.miss, hook.addr);
@@ -251,7 +248,8 @@ mod tests {
         // Elsewhere: nothing to do.
         let mut r = regs(0x400000, 0x7ffc_0000_0000);
         assert_eq!(hooks.leave(&mut r, &stack), Some(false));
-        assert!(hooks.is_return(slot + RETURN_INT3));
-        assert!(!hooks.is_return(slot + RETURN_INT3 + 1));
+        let return_int3 = int3::stub().return_int3;
+        assert!(hooks.is_return(slot + return_int3));
+        assert!(!hooks.is_return(slot + return_int3 + 1));
     }
 }

@@ -9,6 +9,9 @@
 
 use std::collections::HashMap;
 
+use iced_x86::BlockEncoderOptions;
+use iced_x86::code_asm::{CodeAssembler, IcedError, qword_ptr, r10, r11, rax, rsp};
+
 use crate::os::ptrace::Tid;
 use crate::os::shared::SharedMemory;
 
@@ -17,22 +20,53 @@ pub const STACK_COPY: u64 = 32 * 1024;
 
 /// The copy routine: a thread sent here at an allocator's entry copies
 /// `r10` words of its stack, from rsp up, to `r11` (its buffer in memory
-/// shared with memptrace), counts the copy done in the word 64 bytes before
-/// `r11`, and jumps to `rax` (the breakpoint's stub or displaced
-/// instruction). rax, r10 and r11 hold nothing at a function's entry (System
-/// V ABI: scratch registers, no arguments in them), so the function sees
-/// nothing changed; the routine writes only below rsp, which is free until
-/// the function runs, and to its buffer.
-pub const COPY_ROUTINE: [u8; 22] = [
-    0x50, // push rax (the continuation)
-    0x4a, 0x8b, 0x04, 0xd4, // 1: mov rax, [rsp + r10*8]
-    0x4b, 0x89, 0x44, 0xd3, 0xf8, // mov [r11 + r10*8 - 8], rax
-    0x49, 0xff, 0xca, // dec r10
-    0x75, 0xf2, // jnz 1
-    0x49, 0xff, 0x43, 0xc0, // 15: inc qword [r11 - 64]
-    0x58, // 19: pop rax
-    0xff, 0xe0, // 20: jmp rax
-];
+/// shared with memptrace), counts the copy done in the word
+/// [`COPY_HEADER`] bytes before `r11`, and jumps to `rax` (the breakpoint's
+/// stub or displaced instruction). rax, r10 and r11 hold nothing at a
+/// function's entry (System V ABI: scratch registers, no arguments in
+/// them), so the function sees nothing changed; the routine writes only
+/// below rsp, which is free until the function runs, and to its buffer.
+#[derive(Debug)]
+pub struct CopyRoutine {
+    /// The routine's code, position independent.
+    pub bytes: Vec<u8>,
+    /// Offset of the first instruction after `push rax`: from here the
+    /// continuation is on the stack...
+    pub pushed: u64,
+    /// ...until the `jmp rax` (after `pop rax`).
+    pub jump: u64,
+}
+
+/// The copy routine (see [`CopyRoutine`]), assembled once.
+pub fn copy_routine() -> &'static CopyRoutine {
+    static ROUTINE: std::sync::LazyLock<CopyRoutine> = std::sync::LazyLock::new(|| {
+        assemble_copy_routine().expect("the copy routine assembles (a unit test decodes it)")
+    });
+    &ROUTINE
+}
+
+fn assemble_copy_routine() -> Result<CopyRoutine, IcedError> {
+    let mut a = CodeAssembler::new(64)?;
+    let mut pushed = a.create_label();
+    let mut jump = a.create_label();
+    a.push(rax)?; // the continuation
+    a.set_label(&mut pushed)?;
+    a.mov(rax, qword_ptr(rsp + r10 * 8))?;
+    a.mov(qword_ptr(r11 + r10 * 8 - 8), rax)?;
+    a.dec(r10)?;
+    a.jnz(pushed)?;
+    a.inc(qword_ptr(r11 - COPY_HEADER as i32))?;
+    a.pop(rax)?;
+    a.set_label(&mut jump)?;
+    a.jmp(rax)?;
+    let result = a.assemble_options(0, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    Ok(CopyRoutine {
+        pushed: result.label_ip(&pushed)?,
+        jump: result.label_ip(&jump)?,
+        bytes: result.inner.code_buffer,
+    })
+}
+
 /// Bytes before a copy buffer's data: the word the routine counts copies in.
 pub const COPY_HEADER: u64 = 64;
 
@@ -47,15 +81,16 @@ pub enum InCopy {
 
 /// See [`InCopy`].
 pub fn in_copy(rip: u64, routine: u64) -> Option<InCopy> {
+    let r = copy_routine();
     match rip.wrapping_sub(routine) {
-        0 | 20 => Some(InCopy::Rax),
-        1..=19 => Some(InCopy::Stack),
+        off if off == 0 || off == r.jump => Some(InCopy::Rax),
+        off if (r.pushed..r.jump).contains(&off) => Some(InCopy::Stack),
         _ => None,
     }
 }
 
 /// Stack buffers: a mapping shared between the target and memptrace, one
-/// buffer per thread, and the copy routine ([`COPY_ROUTINE`]) in a
+/// buffer per thread, and the copy routine ([`copy_routine`]) in a
 /// trampoline slot. At an allocator entry the tracer sends the thread through
 /// the routine instead of copying its stack with a system call while it is
 /// stopped: the thread copies its own stack, and memptrace reads the copy
@@ -167,7 +202,9 @@ mod tests {
     #[test]
     fn copy_routine_is_what_it_says() {
         use iced_x86::Register::{R10, R11, RAX, RSP};
-        let decoder = Decoder::with_ip(64, &COPY_ROUTINE, 0x1000, DecoderOptions::NONE);
+        let routine = copy_routine();
+        assert_eq!((routine.pushed, routine.jump), (1, 20));
+        let decoder = Decoder::with_ip(64, &routine.bytes, 0x1000, DecoderOptions::NONE);
         let insns: Vec<Instruction> = decoder.into_iter().collect();
         let codes: Vec<(u64, Code)> = insns.iter().map(|i| (i.ip() - 0x1000, i.code())).collect();
         assert_eq!(

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use super::fake::{AREA, AREA_LEN, BASE, FakeSpace, PID};
 use crate::memory::Memory;
 use crate::os::ptrace::zeroed_regs;
-use crate::tracer::probes::int3::{self, DISPLACED, INT3, RETURN_INT3, SLOT_SIZE};
+use crate::tracer::probes::int3::{self, DISPLACED, INT3, SLOT_SIZE};
 use crate::tracer::probes::{HookKind, Probe};
 use crate::tracer::target::CodeMemory;
 use crate::tracer::target::fake::FakeMemory;
@@ -222,7 +222,7 @@ fn a_thread_in_a_slot_or_stub_is_mapped_back_to_the_program() {
     assert_eq!(leave(stub + 5, stack), (Some(true), hook.addr, stack + 8));
     // At the stub's return int3: to the caller, read from the stack.
     assert_eq!(
-        leave(stub + RETURN_INT3, stack),
+        leave(stub + int3::stub().return_int3, stack),
         (Some(true), 0x5555_1234, stack + 16)
     );
     // Elsewhere in the area: nowhere in the program stands for it.

@@ -162,7 +162,7 @@ mod tests {
     use super::*;
     use crate::event::Op;
     use crate::os::ptrace::zeroed_regs;
-    use crate::tracer::probes::int3::{DISPLACED, RETURN_INT3, SLOT_SIZE};
+    use crate::tracer::probes::int3::{self, DISPLACED, SLOT_SIZE};
     use crate::tracer::probes::{Hook, HookKind, Probe};
 
     /// A space of this test's own process, with no image, area or hook:
@@ -315,7 +315,10 @@ mod tests {
         // In the stub, not called yet: back at the entry.
         assert_eq!(leave(slot), (Some(true), addr, 0));
         // Returned to the stub's int3: on to the caller.
-        assert_eq!(leave(slot + RETURN_INT3), (Some(true), 0xdead_beef, 16));
+        assert_eq!(
+            leave(slot + int3::stub().return_int3),
+            (Some(true), 0xdead_beef, 16)
+        );
         // Not in an area: left alone.
         assert_eq!(leave(addr), (Some(false), addr, 0));
         // In an area, where no probe can be mapped back.

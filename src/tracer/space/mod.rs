@@ -440,8 +440,13 @@ impl Space {
     /// Write `hook`'s patch over the entry (its code is in place) and book
     /// it: the one way a probe enters the program's code.
     fn plant_hook(&mut self, hook: Hook) -> io::Result<()> {
-        self.mem
-            .write_code(hook.addr, &hook.probe.patch(hook.addr))?;
+        let patch = hook.probe.patch(hook.addr).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the probe of {:#x} is out of a jump's reach", hook.addr),
+            )
+        })?;
+        self.mem.write_code(hook.addr, &patch)?;
         self.hooks.book(hook);
         Ok(())
     }

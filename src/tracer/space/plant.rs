@@ -9,7 +9,7 @@
 use std::io;
 
 use super::areas::{self, AREA_SIZE, JUMP_AREA_SIZE};
-use super::buffers::{BUFFER_STRIDE, BUFFERS, COPY_ROUTINE, StackBuffers};
+use super::buffers::{self, BUFFER_STRIDE, BUFFERS, StackBuffers};
 use super::images::LoadedModule;
 use super::probing::{NextJump, ProbeInfo};
 use super::{Changes, Planted, Space, SpaceError};
@@ -307,7 +307,8 @@ impl Space {
         let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)
             .map_err(|e| io::Error::other(crate::util::with_causes(&e)))?;
         self.shared = Some(remote..remote + len);
-        self.mem.write_code(routine, &COPY_ROUTINE)?;
+        self.mem
+            .write_code(routine, &buffers::copy_routine().bytes)?;
         Ok(StackBuffers::new(map, remote, routine))
     }
 }

@@ -50,9 +50,13 @@
 use iced_x86::code_asm::*;
 use iced_x86::{BlockEncoderOptions, Instruction};
 
-use super::labels::{Labels, arg_regs};
+use super::labels::{
+    BP, CFA, FLAGS32, IP, LEFT, LEFT32, Labels, OUT, RECORD, RESULT, SLOT, STACK_END, SVMA, SVMA32,
+    arg_regs,
+};
 use super::layout::{self, Called, dir, record, rule, slot};
 use super::liveness::if_gone_keeping;
+use super::paths::{finish_record, let_through, not_recorded, wait_room};
 use super::walk::{cache_entry, find_slot, signal_frame};
 use crate::event::Op;
 use crate::os::sentinel::TID_MASK;
@@ -107,414 +111,15 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     let mut a = CodeAssembler::new(64)?;
     let mut l = Labels::new(&mut a);
     let returns = spec.what.returns();
-    // A mapping call's: rcx, r8 and r9 carry arguments (see `keep`).
-    let map = matches!(spec.what, Called::Map(_));
-    let frames_at = spec.what.frames_at() as i32;
 
-    // 0. memptrace is gone (see `liveness`): straight on, unrecorded.
-    a.set_label(&mut l.entry)?;
-    a.mov(r11, spec.control + layout::ALIVE_WORD)?;
-    a.test(dword_ptr(r11), TID_MASK)?;
-    a.jz(l.displaced)?;
-    // 1. The thread's slot: r10; the key in rax.
-    if spec.fsgsbase {
-        a.rdfsbase(rax)?;
-    } else {
-        a.mov(rax, qword_ptr(0u64).fs())?;
-    }
-    a.inc(rax)?;
-    if map {
-        a.bts(rax, 63)?; // layout::MAP_KEY
-    }
-    find_slot(&mut a, spec.control, l.found)?;
-    // No slot: memptrace gives it one at the int3, if memptrace is there.
-    if_gone_keeping(&mut a, spec.control, l.let_through, map)?;
-    a.set_label(&mut l.miss)?;
-    a.int3()?;
-    a.jmp(l.entry)?;
-
-    // 2. Busy, paused, nested.
-    a.set_label(&mut l.found)?;
-    a.mov(r11, qword_ptr(r10 + slot::BUSY as i32))?;
-    a.test(r11, r11)?;
-    a.jz(l.claim)?;
-    a.cmp(rsp, r11)?;
-    a.jb(if map { l.skip_nested } else { l.in_probe })?;
-    a.set_label(&mut l.claim)?;
-    a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
-    a.test(byte_ptr(r10 + slot::FLAGS as i32), 1)?;
-    a.jnz(l.release)?;
-    a.mov(r11, qword_ptr(r10 + slot::PENDING_SP as i32))?;
-    a.test(r11, r11)?;
-    a.jz(l.outermost)?;
-    a.cmp(rsp, r11)?;
-    a.jb(l.release_nested)?;
-    a.inc(qword_ptr(r10 + slot::ABANDONED as i32))?;
-    a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), 0)?;
-    a.set_label(&mut l.outermost)?;
-
-    // 3. Room in the ring, or wait.
-    a.mov(rax, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.sub(rax, qword_ptr(r10 + slot::TAIL as i32))?;
-    a.cmp(rax, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
-    a.ja(l.wait_room)?;
-    for &(reg, field) in arg_regs(map) {
-        a.mov(qword_ptr(r10 + field as i32), reg)?;
-    }
-    a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.and(r11, (layout::RING_SIZE - 1) as i32)?;
-    a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
-
-    // 4. The stack walk. r12 ip, r13 sp (the frame's CFA so far), r14 bp,
-    // r15 where the next frame goes, rbx frames left, r9 the stack's end,
-    // ebp the record's flags.
-    const SAVED: i32 = 6 * 8;
-    for reg in [rbx, rbp, r12, r13, r14, r15] {
-        a.push(reg)?;
-    }
-    a.mov(r12, qword_ptr(rsp + SAVED))?;
-    a.lea(r13, qword_ptr(rsp + SAVED + 8))?;
-    a.mov(r14, rbp)?; // the caller's: the function has not run yet
-    a.lea(r15, qword_ptr(r11 + frames_at))?;
-    a.mov(ebx, spec.max_frames.clamp(1, layout::MAX_FRAMES) as u32)?;
-    a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
-    a.xor(ebp, ebp)?;
-    // The thread's cache of rules holds for one directory: when images came
-    // or went since it was filled, it starts empty.
-    a.mov(rax, spec.control + layout::DIRECTORY)?;
-    a.mov(rax, qword_ptr(rax))?;
-    a.cmp(rax, qword_ptr(r10 + slot::CACHE_DIR as i32))?;
-    a.je(l.cache_ok)?;
-    a.mov(qword_ptr(r10 + slot::CACHE_DIR as i32), rax)?;
-    a.mov(rdi, qword_ptr(r10 + slot::CACHE as i32))?;
-    a.mov(ecx, (layout::CACHE_SIZE / 8) as u32)?;
-    a.xor(eax, eax)?;
-    a.rep().stosq()?;
-    a.set_label(&mut l.cache_ok)?;
-    a.lea(rcx, qword_ptr(rsp + SAVED))?;
-    a.cmp(rcx, qword_ptr(r10 + slot::STACK_LO as i32))?;
-    a.jb(l.only_caller)?;
-    a.cmp(rcx, r9)?;
-    a.jae(l.only_caller)?;
-
-    a.set_label(&mut l.frame)?;
-    a.mov(qword_ptr(r15), r12)?;
-    a.add(r15, 8)?;
-    a.dec(rbx)?;
-    a.jz(l.full)?;
-    // The rule for ip: from the thread's cache of the return addresses it
-    // met (stacks repeat), else from the directory and the image's table.
-    cache_entry(&mut a, rdx)?;
-    a.cmp(qword_ptr(rdx), r12)?;
-    a.jne(l.lookup)?;
-    a.mov(eax, dword_ptr(rdx + 8))?;
-    a.jmp(l.have_rule)?;
-    a.set_label(&mut l.lookup)?;
-    // The image: the last directory entry starting at or below ip.
-    a.mov(rdi, spec.control + layout::DIRECTORY)?;
-    a.mov(rdi, qword_ptr(rdi))?;
-    a.mov(ecx, dword_ptr(rdi))?;
-    a.add(rdi, 16)?;
-    a.xor(esi, esi)?;
-    a.set_label(&mut l.dir_loop)?;
-    a.test(rcx, rcx)?;
-    a.jz(l.dir_end)?;
-    a.mov(rdx, rcx)?;
-    a.shr(rdx, 1)?;
-    a.imul_3(rax, rdx, layout::DIR_ENTRY_SIZE as i32)?;
-    a.add(rax, rdi)?;
-    a.cmp(qword_ptr(rax + dir::START as i32), r12)?;
-    a.ja(l.dir_left)?;
-    a.mov(rsi, rax)?;
-    a.lea(rdi, qword_ptr(rax + layout::DIR_ENTRY_SIZE as i32))?;
-    a.sub(rcx, rdx)?;
-    a.dec(rcx)?;
-    a.jmp(l.dir_loop)?;
-    a.set_label(&mut l.dir_left)?;
-    a.mov(rcx, rdx)?;
-    a.jmp(l.dir_loop)?;
-    a.set_label(&mut l.dir_end)?;
-    // Outside every image: the stack ends (memptrace would not take such a
-    // frame anyway).
-    a.mov(eax, rule::UNSUPPORTED)?;
-    a.test(rsi, rsi)?;
-    a.jz(l.found_rule)?;
-    a.cmp(r12, qword_ptr(rsi + dir::END as i32))?;
-    a.jae(l.found_rule)?;
-    // The row: the last key at or below the call's SVMA (ip - 1 - bias).
-    a.lea(rax, qword_ptr(r12 - 1))?;
-    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
-    a.mov(rdx, rax)?;
-    a.shr(rdx, 32)?;
-    a.mov(eax, rule::UNSUPPORTED)?;
-    a.jnz(l.found_rule)?;
-    a.lea(rax, qword_ptr(r12 - 1))?;
-    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
-    a.mov(r9, rax)?;
-    a.mov(rdi, qword_ptr(rsi + dir::KEYS as i32))?;
-    a.mov(rcx, qword_ptr(rsi + dir::ROWS as i32))?;
-    a.mov(r8, qword_ptr(rsi + dir::RULES as i32))?;
-    a.sub(r8, rdi)?; // rules are u32 as keys are: rule = key address + r8
-    a.xor(esi, esi)?;
-    a.set_label(&mut l.key_loop)?;
-    a.test(rcx, rcx)?;
-    a.jz(l.key_end)?;
-    a.mov(rdx, rcx)?;
-    a.shr(rdx, 1)?;
-    a.lea(rax, qword_ptr(rdi + rdx * 4))?;
-    a.cmp(dword_ptr(rax), r9d)?;
-    a.ja(l.key_left)?;
-    a.mov(rsi, rax)?;
-    a.lea(rdi, qword_ptr(rax + 4))?;
-    a.sub(rcx, rdx)?;
-    a.dec(rcx)?;
-    a.jmp(l.key_loop)?;
-    a.set_label(&mut l.key_left)?;
-    a.mov(rcx, rdx)?;
-    a.jmp(l.key_loop)?;
-    a.set_label(&mut l.key_end)?;
-    a.mov(r9, qword_ptr(r10 + slot::STACK_HI as i32))?;
-    // Before the image's first row: no CFI.
-    a.mov(eax, rule::NONE)?;
-    a.test(rsi, rsi)?;
-    a.jz(l.found_rule)?;
-    a.mov(eax, dword_ptr(rsi + r8))?;
-    a.set_label(&mut l.found_rule)?;
-    cache_entry(&mut a, rdx)?;
-    a.mov(qword_ptr(rdx), r12)?;
-    a.mov(dword_ptr(rdx + 8), eax)?;
-    a.set_label(&mut l.have_rule)?;
-    a.cmp(eax, rule::END as i32)?;
-    a.je(l.walked)?; // the outermost frame: the stack is whole
-    a.cmp(eax, rule::NONE as i32)?;
-    a.je(l.frame_pointer)?;
-    a.cmp(eax, rule::SIGNAL as i32)?;
-    a.je(l.signal)?;
-    a.test(eax, eax)?;
-    a.js(l.truncated)?; // a rule the walk cannot follow
-    // CFA = base + offset, above the frame and inside the stack.
-    a.mov(ecx, eax)?;
-    a.and(ecx, rule::OFFSET_MASK)?;
-    a.mov(rdx, r13)?;
-    a.test(eax, rule::RBP_BASED)?;
-    a.cmovne(rdx, r14)?;
-    a.add(rdx, rcx)?;
-    a.lea(rcx, qword_ptr(r13 + 8))?;
-    a.cmp(rdx, rcx)?;
-    a.jb(l.truncated)?;
-    a.cmp(rdx, r9)?;
-    a.ja(l.truncated)?;
-    a.shr(eax, rule::RBP_SHIFT)?;
-    a.and(eax, rule::RBP_MASK)?;
-    a.jz(l.keep_bp)?;
-    a.shl(rax, 3)?;
-    a.mov(rcx, rdx)?;
-    a.sub(rcx, rax)?;
-    a.cmp(rcx, r13)?;
-    a.jb(l.truncated)?;
-    a.mov(r14, qword_ptr(rcx))?;
-    a.set_label(&mut l.keep_bp)?;
-    a.mov(r12, qword_ptr(rdx - 8))?;
-    a.mov(r13, rdx)?;
-    a.test(r12, r12)?;
-    a.jnz(l.frame)?;
-    a.jmp(l.walked)?;
-    // No CFI: the frame pointer, if it points into the stack above the
-    // frame: the caller's rbp at [rbp], its return address at [rbp + 8].
-    a.set_label(&mut l.frame_pointer)?;
-    a.mov(rdx, r14)?;
-    a.test(dl, 7)?;
-    a.jnz(l.truncated)?;
-    a.cmp(rdx, r13)?;
-    a.jb(l.truncated)?;
-    a.lea(rcx, qword_ptr(rdx + 16))?;
-    a.cmp(rcx, r9)?;
-    a.ja(l.truncated)?;
-    a.mov(r12, qword_ptr(rdx + 8))?;
-    a.mov(r14, qword_ptr(rdx))?;
-    a.mov(r13, rcx)?;
-    a.test(r12, r12)?;
-    a.jnz(l.frame)?;
-    a.jmp(l.walked)?;
-    a.set_label(&mut l.signal)?;
-    signal_frame(&mut a, l.frame, l.truncated)?;
-    a.set_label(&mut l.only_caller)?;
-    a.mov(qword_ptr(r15), r12)?;
-    a.add(r15, 8)?;
-    a.set_label(&mut l.truncated)?;
-    a.or(ebp, record::TRUNCATED as i32)?;
-    a.jmp(l.walked)?;
-    a.set_label(&mut l.full)?;
-    a.or(ebp, record::FULL as i32)?;
-    a.set_label(&mut l.walked)?;
-    // rax: frames, rcx: flags.
-    a.mov(rax, r15)?;
-    a.sub(rax, r11)?;
-    a.sub(rax, frames_at)?;
-    a.shr(rax, 3)?;
-    a.mov(ecx, ebp)?;
-    for reg in [r15, r14, r13, r12, rbp, rbx] {
-        a.pop(reg)?;
-    }
-    a.shl(ecx, 16)?;
-    a.or(rax, rcx)?;
-    a.mov(qword_ptr(r10 + slot::PENDING_FRAMES as i32), rax)?;
-
-    // 5. Record now (free), or call the function and record its result.
-    if returns {
-        a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), rsp)?;
-        for &(reg, field) in arg_regs(map) {
-            a.mov(reg, qword_ptr(r10 + field as i32))?;
-        }
-        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-        a.lea(rsp, qword_ptr(rsp - 8))?;
-        a.mov(qword_ptr(rsp), r10)?;
-        a.call(l.displaced)?;
-        a.set_label(&mut l.ret_path)?;
-        a.mov(r10, qword_ptr(rsp))?;
-        a.mov(rcx, qword_ptr(r10 + slot::BUSY as i32))?;
-        a.test(rcx, rcx)?;
-        a.jz(l.ret_claim)?;
-        a.cmp(rsp, rcx)?;
-        a.jb(l.ret_out)?;
-        a.set_label(&mut l.ret_claim)?;
-        a.mov(qword_ptr(r10 + slot::BUSY as i32), rsp)?;
-        a.lea(rcx, qword_ptr(rsp + 8))?;
-        a.cmp(rcx, qword_ptr(r10 + slot::PENDING_SP as i32))?;
-        a.jne(l.ret_release)?;
-        a.mov(r9, rax)?;
-        a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
-        a.and(r11, (layout::RING_SIZE - 1) as i32)?;
-        a.add(r11, qword_ptr(r10 + slot::RING as i32))?;
-        a.mov(qword_ptr(r11 + record::RET as i32), rax)?;
-        if spec.what == Called::Alloc(Op::PosixMemalign) {
-            // The block, stored through the first argument when it succeeded.
-            a.mov(qword_ptr(r11 + record::STORED as i32), 0)?;
-            a.test(eax, eax)?;
-            a.jnz(l.stored)?;
-            a.mov(rcx, qword_ptr(r10 + slot::ARG0 as i32))?;
-            a.mov(rcx, qword_ptr(rcx))?;
-            a.mov(qword_ptr(r11 + record::STORED as i32), rcx)?;
-            a.set_label(&mut l.stored)?;
-        }
-        a.mov(rsi, rdx)?;
-        finish_record(&mut a, spec)?;
-        a.mov(rdx, rsi)?;
-        a.mov(qword_ptr(r10 + slot::PENDING_SP as i32), 0)?;
-        a.mov(rax, r9)?;
-        a.set_label(&mut l.ret_release)?;
-        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-        a.set_label(&mut l.ret_out)?;
-        a.lea(rsp, qword_ptr(rsp + 8))?;
-        a.ret()?;
-    } else {
-        a.mov(qword_ptr(r11 + record::RET as i32), 0)?;
-        a.mov(qword_ptr(r11 + record::STORED as i32), 0)?;
-        finish_record(&mut a, spec)?;
-        a.mov(rdi, qword_ptr(r10 + slot::ARG0 as i32))?;
-        a.mov(rsi, qword_ptr(r10 + slot::ARG1 as i32))?;
-        a.mov(rdx, qword_ptr(r10 + slot::ARG2 as i32))?;
-        a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-        a.jmp(l.displaced)?;
-    }
-
-    // Not recorded: nested in the thread's call, in a signal handler
-    // inside a probe of the thread, or a vfork child's.
-    a.set_label(&mut l.release_nested)?;
-    a.inc(qword_ptr(r10 + slot::NESTED as i32))?;
-    a.set_label(&mut l.release)?;
-    a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-    a.jmp(l.displaced)?;
-    // A signal handler's call inside a probe of the thread: its own slot,
-    // once (see `layout::SIGNAL_KEY`); rax holds the key.
-    if !map {
-        a.set_label(&mut l.in_probe)?;
-        a.bt(rax, 62)?;
-        a.jc(l.skip_nested)?;
-        a.mov(r9, r10)?;
-        a.bts(rax, 62)?;
-        find_slot(&mut a, spec.control, l.found)?;
-        a.mov(r10, r9)?; // no signal slot: counted in the interrupted one's
-    }
-    a.set_label(&mut l.skip_nested)?;
-    a.inc(qword_ptr(r10 + slot::NESTED as i32))?;
-    a.jmp(l.displaced)?;
-
-    // No room: wait on the ring's tail for memptrace (1 ms at most), then
-    // start over.
-    a.set_label(&mut l.wait_room)?;
-    a.mov(qword_ptr(r10 + slot::BUSY as i32), 0)?;
-    if_gone_keeping(&mut a, spec.control, l.let_through, map)?;
-    a.inc(qword_ptr(r10 + slot::WAITS as i32))?;
-    // Say so, then look at the tail again: memptrace stores the tail, then
-    // reads WAITING; the thread stores WAITING, then reads the tail. With a
-    // full barrier on each side (xchg here), one of them sees the other's
-    // store: either memptrace wakes the thread, or the thread sees the room.
-    a.mov(eax, 1)?;
-    a.xchg(qword_ptr(r10 + slot::WAITING as i32), rax)?;
-    a.mov(r11, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.sub(r11, qword_ptr(r10 + slot::TAIL as i32))?;
-    a.cmp(r11, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
-    a.ja(l.sleep)?;
-    a.mov(qword_ptr(r10 + slot::WAITING as i32), 0)?;
-    a.jmp(l.entry)?;
-    a.set_label(&mut l.sleep)?;
-    let kept = [rdi, rsi, rdx, rcx, r8, r9];
-    let kept = if map { &kept[..] } else { &kept[..3] };
-    for &reg in kept {
-        a.push(reg)?;
-    }
-    // Wake memptrace's tracer thread, which may sleep (tgkill, SIGCHLD),
-    // unless told not to (`NO_WAKE`: a seccomp filter could kill the
-    // program for it; memptrace finds the full ring by polling)...
-    let mut woken = a.create_label();
-    a.mov(rax, spec.control + layout::TRACER_PID)?;
-    a.cmp(
-        qword_ptr(rax + (layout::NO_WAKE - layout::TRACER_PID) as i32),
-        0,
-    )?;
-    a.jne(woken)?;
-    a.mov(rdi, qword_ptr(rax))?;
-    a.mov(rsi, qword_ptr(rax + 8))?;
-    a.mov(edx, libc::SIGCHLD as u32)?;
-    a.mov(eax, libc::SYS_tgkill as u32)?;
-    a.syscall()?;
-    a.set_label(&mut woken)?;
-    // ...and wait on the ring's tail, 1 ms at most, then start over.
-    a.mov(eax, libc::SYS_futex as u32)?;
-    a.lea(rdi, qword_ptr(r10 + slot::TAIL as i32))?;
-    a.xor(esi, esi)?; // FUTEX_WAIT, shared: memptrace wakes it from its mapping
-    a.mov(edx, dword_ptr(r10 + slot::TAIL as i32))?;
-    a.mov(r10, spec.control + layout::WAIT_TIMESPEC)?;
-    a.xor(r8d, r8d)?;
-    a.xor(r9d, r9d)?;
-    a.syscall()?;
-    for &reg in kept.iter().rev() {
-        a.pop(reg)?;
-    }
-    a.jmp(l.entry)?;
-
-    // memptrace is gone: the call goes on unrecorded (counted, for a
-    // memptrace that was only slow to answer).
-    a.set_label(&mut l.let_through)?;
-    a.mov(r11, spec.control + layout::LET_THROUGH)?;
-    a.lock().inc(qword_ptr(r11))?;
-
-    // The displaced instructions, relocated, and the way back.
-    a.set_label(&mut l.displaced)?;
-    let mut marks = Vec::new();
-    for (i, insn) in spec.displaced.iter().enumerate() {
-        let mut mark = a.create_label();
-        if i > 0 {
-            a.set_label(&mut mark)?;
-        }
-        a.add_instruction(*insn)?;
-        marks.push(mark);
-    }
-    a.set_label(&mut l.back)?;
-    a.jmp(spec.resume)?;
-    a.set_label(&mut l.end)?;
-    a.int3()?;
+    enter(&mut a, &mut l, spec)?;
+    claim(&mut a, &mut l, spec)?;
+    room(&mut a, &mut l, spec)?;
+    walk(&mut a, &mut l, spec)?;
+    record(&mut a, &mut l, spec)?;
+    not_recorded(&mut a, &mut l, spec)?;
+    wait_room(&mut a, &mut l, spec)?;
+    let marks = let_through(&mut a, &mut l, spec)?;
 
     let result = a.assemble_options(at, BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
     let ip = |label: &CodeLabel| result.label_ip(label);
@@ -543,51 +148,339 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
     })
 }
 
-/// The tail of a record: TSC, arguments, header, sequence number; then the
-/// commit (the head moves past it). r10 slot, r11 record. Keeps r9 and rsi;
-/// clobbers rax, rcx, rdx, rdi, r8.
-fn finish_record(a: &mut CodeAssembler, spec: &ProbeSpec) -> Result<(), IcedError> {
-    a.mov(r8, qword_ptr(r10 + slot::HEAD as i32))?;
-    a.rdtsc()?;
-    a.shl(rdx, 32)?;
-    a.or(rax, rdx)?;
-    a.mov(qword_ptr(r11 + record::TSC as i32), rax)?;
-    let map = [
-        (slot::ARG3, record::ARG3),
-        (slot::ARG4, record::ARG4),
-        (slot::ARG5, record::ARG5),
-    ];
-    let args = [
-        (slot::ARG0, record::ARG0),
-        (slot::ARG1, record::ARG1),
-        (slot::ARG2, record::ARG2),
-    ];
-    let six = matches!(spec.what, Called::Map(_));
-    for &(from, to) in args.iter().chain(if six { &map[..] } else { &[] }) {
-        a.mov(rcx, qword_ptr(r10 + from as i32))?;
-        a.mov(qword_ptr(r11 + to as i32), rcx)?;
+/// Steps 0 and 1: on at once when memptrace is gone; else the thread's
+/// slot into [`SLOT`] (the key in [`KEY`]), or the miss int3.
+fn enter(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
+    let map = matches!(spec.what, Called::Map(_));
+    // 0. memptrace is gone (see `liveness`): straight on, unrecorded.
+    a.set_label(&mut l.entry)?;
+    a.mov(r11, spec.control + layout::ALIVE_WORD)?;
+    a.test(dword_ptr(r11), TID_MASK)?;
+    a.jz(l.displaced)?;
+    // 1. The thread's slot: SLOT; the key in rax.
+    if spec.fsgsbase {
+        a.rdfsbase(rax)?;
+    } else {
+        a.mov(rax, qword_ptr(0u64).fs())?;
     }
-    // Header: size | frames << 16 | flags << 32 | op << 40 | probe << 48.
-    a.mov(rcx, qword_ptr(r10 + slot::PENDING_FRAMES as i32))?;
-    a.movzx(edi, cx)?;
-    a.lea(rdx, qword_ptr(rdi * 8 + spec.what.frames_at() as i32))?;
-    a.add(r8, rdx)?; // the head past this record
-    a.shl(rdi, 16)?;
-    a.or(rdi, rdx)?;
-    a.shr(ecx, 16)?;
-    a.and(ecx, 0xff)?;
-    a.shl(rcx, 32)?;
-    a.or(rdi, rcx)?;
-    a.mov(
-        rax,
-        (u64::from(spec.what.code()) << 40) | (u64::from(spec.id) << 48),
-    )?;
-    a.or(rdi, rax)?;
-    a.mov(qword_ptr(r11 + record::HEAD as i32), rdi)?;
-    a.mov(rax, spec.control + layout::SEQ)?;
-    a.mov(ecx, 1)?;
-    a.lock().xadd(qword_ptr(rax), rcx)?;
-    a.mov(qword_ptr(r11 + record::SEQ as i32), rcx)?;
-    a.mov(qword_ptr(r10 + slot::HEAD as i32), r8)?;
+    a.inc(rax)?;
+    if map {
+        a.bts(rax, 63)?; // layout::MAP_KEY
+    }
+    find_slot(a, spec.control, l.found)?;
+    // No slot: memptrace gives it one at the int3, if memptrace is there.
+    if_gone_keeping(a, spec.control, l.let_through, map)?;
+    a.set_label(&mut l.miss)?;
+    a.int3()?;
+    a.jmp(l.entry)?;
+    Ok(())
+}
+
+/// Step 2: claim the slot, or go on unrecorded (busy, paused, nested).
+fn claim(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
+    let map = matches!(spec.what, Called::Map(_));
+    // 2. Busy, paused, nested.
+    a.set_label(&mut l.found)?;
+    a.mov(r11, qword_ptr(SLOT + slot::BUSY as i32))?;
+    a.test(r11, r11)?;
+    a.jz(l.claim)?;
+    a.cmp(rsp, r11)?;
+    a.jb(if map { l.skip_nested } else { l.in_probe })?;
+    a.set_label(&mut l.claim)?;
+    a.mov(qword_ptr(SLOT + slot::BUSY as i32), rsp)?;
+    a.test(byte_ptr(SLOT + slot::FLAGS as i32), 1)?;
+    a.jnz(l.release)?;
+    a.mov(r11, qword_ptr(SLOT + slot::PENDING_SP as i32))?;
+    a.test(r11, r11)?;
+    a.jz(l.outermost)?;
+    a.cmp(rsp, r11)?;
+    a.jb(l.release_nested)?;
+    a.inc(qword_ptr(SLOT + slot::ABANDONED as i32))?;
+    a.mov(qword_ptr(SLOT + slot::PENDING_SP as i32), 0)?;
+    a.set_label(&mut l.outermost)?;
+    Ok(())
+}
+
+/// Step 3: room in the ring, or wait; keep the arguments; [`RECORD`] =
+/// where the record goes.
+fn room(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
+    let map = matches!(spec.what, Called::Map(_));
+    // 3. Room in the ring, or wait.
+    a.mov(rax, qword_ptr(SLOT + slot::HEAD as i32))?;
+    a.sub(rax, qword_ptr(SLOT + slot::TAIL as i32))?;
+    a.cmp(rax, (layout::RING_SIZE - layout::MAX_RECORD) as i32)?;
+    a.ja(l.wait_room)?;
+    for &(reg, field) in arg_regs(map) {
+        a.mov(qword_ptr(SLOT + field as i32), reg)?;
+    }
+    a.mov(RECORD, qword_ptr(SLOT + slot::HEAD as i32))?;
+    a.and(RECORD, (layout::RING_SIZE - 1) as i32)?;
+    a.add(RECORD, qword_ptr(SLOT + slot::RING as i32))?;
+    Ok(())
+}
+
+/// Step 4: the stack walk, into the ring past the head; its count and
+/// flags into the slot (see [`layout::PENDING_FLAGS_SHIFT`]).
+fn walk(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
+    let frames_at = spec.what.frames_at() as i32;
+    // 4. The stack walk. IP ip, CFA sp (the frame's CFA so far), BP bp,
+    // OUT where the next frame goes, LEFT frames left, STACK_END the stack's end,
+    // FLAGS32 the record's flags.
+    const SAVED: i32 = 6 * 8;
+    for reg in [LEFT, rbp, IP, CFA, BP, OUT] {
+        a.push(reg)?;
+    }
+    a.mov(IP, qword_ptr(rsp + SAVED))?;
+    a.lea(CFA, qword_ptr(rsp + SAVED + 8))?;
+    a.mov(BP, rbp)?; // the caller's: the function has not run yet
+    a.lea(OUT, qword_ptr(RECORD + frames_at))?;
+    a.mov(LEFT32, spec.max_frames.clamp(1, layout::MAX_FRAMES) as u32)?;
+    a.mov(STACK_END, qword_ptr(SLOT + slot::STACK_HI as i32))?;
+    a.xor(FLAGS32, FLAGS32)?;
+    // The thread's cache of rules holds for one directory: when images came
+    // or went since it was filled, it starts empty.
+    a.mov(rax, spec.control + layout::DIRECTORY)?;
+    a.mov(rax, qword_ptr(rax))?;
+    a.cmp(rax, qword_ptr(SLOT + slot::CACHE_DIR as i32))?;
+    a.je(l.cache_ok)?;
+    a.mov(qword_ptr(SLOT + slot::CACHE_DIR as i32), rax)?;
+    a.mov(rdi, qword_ptr(SLOT + slot::CACHE as i32))?;
+    a.mov(ecx, (layout::CACHE_SIZE / 8) as u32)?;
+    a.xor(eax, eax)?;
+    a.rep().stosq()?;
+    a.set_label(&mut l.cache_ok)?;
+    a.lea(rcx, qword_ptr(rsp + SAVED))?;
+    a.cmp(rcx, qword_ptr(SLOT + slot::STACK_LO as i32))?;
+    a.jb(l.only_caller)?;
+    a.cmp(rcx, STACK_END)?;
+    a.jae(l.only_caller)?;
+
+    a.set_label(&mut l.frame)?;
+    a.mov(qword_ptr(OUT), IP)?;
+    a.add(OUT, 8)?;
+    a.dec(LEFT)?;
+    a.jz(l.full)?;
+    // The rule for ip: from the thread's cache of the return addresses it
+    // met (stacks repeat), else from the directory and the image's table.
+    cache_entry(a, rdx)?;
+    a.cmp(qword_ptr(rdx), IP)?;
+    a.jne(l.lookup)?;
+    a.mov(eax, dword_ptr(rdx + 8))?;
+    a.jmp(l.have_rule)?;
+    a.set_label(&mut l.lookup)?;
+    // The image: the last directory entry starting at or below ip.
+    a.mov(rdi, spec.control + layout::DIRECTORY)?;
+    a.mov(rdi, qword_ptr(rdi))?;
+    a.mov(ecx, dword_ptr(rdi))?;
+    a.add(rdi, 16)?;
+    a.xor(esi, esi)?;
+    a.set_label(&mut l.dir_loop)?;
+    a.test(rcx, rcx)?;
+    a.jz(l.dir_end)?;
+    a.mov(rdx, rcx)?;
+    a.shr(rdx, 1)?;
+    a.imul_3(rax, rdx, layout::DIR_ENTRY_SIZE as i32)?;
+    a.add(rax, rdi)?;
+    a.cmp(qword_ptr(rax + dir::START as i32), IP)?;
+    a.ja(l.dir_left)?;
+    a.mov(rsi, rax)?;
+    a.lea(rdi, qword_ptr(rax + layout::DIR_ENTRY_SIZE as i32))?;
+    a.sub(rcx, rdx)?;
+    a.dec(rcx)?;
+    a.jmp(l.dir_loop)?;
+    a.set_label(&mut l.dir_left)?;
+    a.mov(rcx, rdx)?;
+    a.jmp(l.dir_loop)?;
+    a.set_label(&mut l.dir_end)?;
+    // Outside every image: the stack ends (memptrace would not take such a
+    // frame anyway).
+    a.mov(eax, rule::UNSUPPORTED)?;
+    a.test(rsi, rsi)?;
+    a.jz(l.found_rule)?;
+    a.cmp(IP, qword_ptr(rsi + dir::END as i32))?;
+    a.jae(l.found_rule)?;
+    // The row: the last key at or below the call's SVMA (ip - 1 - bias).
+    a.lea(rax, qword_ptr(IP - 1))?;
+    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
+    a.mov(rdx, rax)?;
+    a.shr(rdx, 32)?;
+    a.mov(eax, rule::UNSUPPORTED)?;
+    a.jnz(l.found_rule)?;
+    a.lea(rax, qword_ptr(IP - 1))?;
+    a.sub(rax, qword_ptr(rsi + dir::BIAS as i32))?;
+    a.mov(SVMA, rax)?;
+    a.mov(rdi, qword_ptr(rsi + dir::KEYS as i32))?;
+    a.mov(rcx, qword_ptr(rsi + dir::ROWS as i32))?;
+    a.mov(r8, qword_ptr(rsi + dir::RULES as i32))?;
+    a.sub(r8, rdi)?; // rules are u32 as keys are: rule = key address + r8
+    a.xor(esi, esi)?;
+    a.set_label(&mut l.key_loop)?;
+    a.test(rcx, rcx)?;
+    a.jz(l.key_end)?;
+    a.mov(rdx, rcx)?;
+    a.shr(rdx, 1)?;
+    a.lea(rax, qword_ptr(rdi + rdx * 4))?;
+    a.cmp(dword_ptr(rax), SVMA32)?;
+    a.ja(l.key_left)?;
+    a.mov(rsi, rax)?;
+    a.lea(rdi, qword_ptr(rax + 4))?;
+    a.sub(rcx, rdx)?;
+    a.dec(rcx)?;
+    a.jmp(l.key_loop)?;
+    a.set_label(&mut l.key_left)?;
+    a.mov(rcx, rdx)?;
+    a.jmp(l.key_loop)?;
+    a.set_label(&mut l.key_end)?;
+    a.mov(STACK_END, qword_ptr(SLOT + slot::STACK_HI as i32))?;
+    // Before the image's first row: no CFI.
+    a.mov(eax, rule::NONE)?;
+    a.test(rsi, rsi)?;
+    a.jz(l.found_rule)?;
+    a.mov(eax, dword_ptr(rsi + r8))?;
+    a.set_label(&mut l.found_rule)?;
+    cache_entry(a, rdx)?;
+    a.mov(qword_ptr(rdx), IP)?;
+    a.mov(dword_ptr(rdx + 8), eax)?;
+    a.set_label(&mut l.have_rule)?;
+    a.cmp(eax, rule::END as i32)?;
+    a.je(l.walked)?; // the outermost frame: the stack is whole
+    a.cmp(eax, rule::NONE as i32)?;
+    a.je(l.frame_pointer)?;
+    a.cmp(eax, rule::SIGNAL as i32)?;
+    a.je(l.signal)?;
+    a.test(eax, eax)?;
+    a.js(l.truncated)?; // a rule the walk cannot follow
+    // CFA = base + offset, above the frame and inside the stack.
+    a.mov(ecx, eax)?;
+    a.and(ecx, rule::OFFSET_MASK)?;
+    a.mov(rdx, CFA)?;
+    a.test(eax, rule::RBP_BASED)?;
+    a.cmovne(rdx, BP)?;
+    a.add(rdx, rcx)?;
+    a.lea(rcx, qword_ptr(CFA + 8))?;
+    a.cmp(rdx, rcx)?;
+    a.jb(l.truncated)?;
+    a.cmp(rdx, STACK_END)?;
+    a.ja(l.truncated)?;
+    a.shr(eax, rule::RBP_SHIFT)?;
+    a.and(eax, rule::RBP_MASK)?;
+    a.jz(l.keep_bp)?;
+    a.shl(rax, 3)?;
+    a.mov(rcx, rdx)?;
+    a.sub(rcx, rax)?;
+    a.cmp(rcx, CFA)?;
+    a.jb(l.truncated)?;
+    a.mov(BP, qword_ptr(rcx))?;
+    a.set_label(&mut l.keep_bp)?;
+    a.mov(IP, qword_ptr(rdx - 8))?;
+    a.mov(CFA, rdx)?;
+    a.test(IP, IP)?;
+    a.jnz(l.frame)?;
+    a.jmp(l.walked)?;
+    // No CFI: the frame pointer, if it points into the stack above the
+    // frame: the caller's rbp at [rbp], its return address at [rbp + 8].
+    a.set_label(&mut l.frame_pointer)?;
+    a.mov(rdx, BP)?;
+    a.test(dl, 7)?;
+    a.jnz(l.truncated)?;
+    a.cmp(rdx, CFA)?;
+    a.jb(l.truncated)?;
+    a.lea(rcx, qword_ptr(rdx + 16))?;
+    a.cmp(rcx, STACK_END)?;
+    a.ja(l.truncated)?;
+    a.mov(IP, qword_ptr(rdx + 8))?;
+    a.mov(BP, qword_ptr(rdx))?;
+    a.mov(CFA, rcx)?;
+    a.test(IP, IP)?;
+    a.jnz(l.frame)?;
+    a.jmp(l.walked)?;
+    a.set_label(&mut l.signal)?;
+    signal_frame(a, l.frame, l.truncated)?;
+    a.set_label(&mut l.only_caller)?;
+    a.mov(qword_ptr(OUT), IP)?;
+    a.add(OUT, 8)?;
+    a.set_label(&mut l.truncated)?;
+    a.or(FLAGS32, record::TRUNCATED as i32)?;
+    a.jmp(l.walked)?;
+    a.set_label(&mut l.full)?;
+    a.or(FLAGS32, record::FULL as i32)?;
+    a.set_label(&mut l.walked)?;
+    // rax: frames, rcx: flags.
+    a.mov(rax, OUT)?;
+    a.sub(rax, RECORD)?;
+    a.sub(rax, frames_at)?;
+    a.shr(rax, 3)?;
+    a.mov(ecx, FLAGS32)?;
+    for reg in [OUT, BP, CFA, IP, rbp, LEFT] {
+        a.pop(reg)?;
+    }
+    a.shl(ecx, layout::PENDING_FLAGS_SHIFT)?;
+    a.or(rax, rcx)?;
+    a.mov(qword_ptr(SLOT + slot::PENDING_FRAMES as i32), rax)?;
+    Ok(())
+}
+
+/// Step 5: record now (free), or call the function and record its
+/// result.
+fn record(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
+    let map = matches!(spec.what, Called::Map(_));
+    let returns = spec.what.returns();
+    // 5. Record now (free), or call the function and record its result.
+    if returns {
+        a.mov(qword_ptr(SLOT + slot::PENDING_SP as i32), rsp)?;
+        for &(reg, field) in arg_regs(map) {
+            a.mov(reg, qword_ptr(SLOT + field as i32))?;
+        }
+        a.mov(qword_ptr(SLOT + slot::BUSY as i32), 0)?;
+        a.lea(rsp, qword_ptr(rsp - 8))?;
+        a.mov(qword_ptr(rsp), SLOT)?;
+        a.call(l.displaced)?;
+        a.set_label(&mut l.ret_path)?;
+        a.mov(SLOT, qword_ptr(rsp))?;
+        a.mov(rcx, qword_ptr(SLOT + slot::BUSY as i32))?;
+        a.test(rcx, rcx)?;
+        a.jz(l.ret_claim)?;
+        a.cmp(rsp, rcx)?;
+        a.jb(l.ret_out)?;
+        a.set_label(&mut l.ret_claim)?;
+        a.mov(qword_ptr(SLOT + slot::BUSY as i32), rsp)?;
+        a.lea(rcx, qword_ptr(rsp + 8))?;
+        a.cmp(rcx, qword_ptr(SLOT + slot::PENDING_SP as i32))?;
+        a.jne(l.ret_release)?;
+        a.mov(RESULT, rax)?;
+        a.mov(RECORD, qword_ptr(SLOT + slot::HEAD as i32))?;
+        a.and(RECORD, (layout::RING_SIZE - 1) as i32)?;
+        a.add(RECORD, qword_ptr(SLOT + slot::RING as i32))?;
+        a.mov(qword_ptr(RECORD + record::RET as i32), rax)?;
+        if spec.what == Called::Alloc(Op::PosixMemalign) {
+            // The block, stored through the first argument when it succeeded.
+            a.mov(qword_ptr(RECORD + record::STORED as i32), 0)?;
+            a.test(eax, eax)?;
+            a.jnz(l.stored)?;
+            a.mov(rcx, qword_ptr(SLOT + slot::ARG0 as i32))?;
+            a.mov(rcx, qword_ptr(rcx))?;
+            a.mov(qword_ptr(RECORD + record::STORED as i32), rcx)?;
+            a.set_label(&mut l.stored)?;
+        }
+        a.mov(rsi, rdx)?;
+        finish_record(a, spec)?;
+        a.mov(rdx, rsi)?;
+        a.mov(qword_ptr(SLOT + slot::PENDING_SP as i32), 0)?;
+        a.mov(rax, RESULT)?;
+        a.set_label(&mut l.ret_release)?;
+        a.mov(qword_ptr(SLOT + slot::BUSY as i32), 0)?;
+        a.set_label(&mut l.ret_out)?;
+        a.lea(rsp, qword_ptr(rsp + 8))?;
+        a.ret()?;
+    } else {
+        a.mov(qword_ptr(RECORD + record::RET as i32), 0)?;
+        a.mov(qword_ptr(RECORD + record::STORED as i32), 0)?;
+        finish_record(a, spec)?;
+        a.mov(rdi, qword_ptr(SLOT + slot::ARG0 as i32))?;
+        a.mov(rsi, qword_ptr(SLOT + slot::ARG1 as i32))?;
+        a.mov(rdx, qword_ptr(SLOT + slot::ARG2 as i32))?;
+        a.mov(qword_ptr(SLOT + slot::BUSY as i32), 0)?;
+        a.jmp(l.displaced)?;
+    }
     Ok(())
 }

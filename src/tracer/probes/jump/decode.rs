@@ -11,7 +11,7 @@
 //! resynchronised: what was behind the bad record is lost, and counted).
 
 use super::control::{Pulled, Record};
-use super::layout::{self, Called, record};
+use super::layout::{self, Called, RecordHead, record};
 use crate::os::ptrace::Tid;
 
 /// What was wrong with a ring or a record.
@@ -85,14 +85,16 @@ pub struct Header {
 
 #[cfg(test)]
 impl Header {
-    /// The header word as the probe writes it: size | frames << 16 |
-    /// flags << 32 | op << 40 | probe << 48.
+    /// The header word as the probe writes it.
     pub fn pack(&self) -> u64 {
-        self.size
-            | self.frames << 16
-            | u64::from(self.flags) << 32
-            | u64::from(self.what.code()) << 40
-            | u64::from(self.probe) << 48
+        RecordHead {
+            size: self.size as u16,
+            frames: self.frames as u16,
+            flags: self.flags,
+            op: self.what.code(),
+            probe: self.probe,
+        }
+        .pack()
     }
 }
 
@@ -107,12 +109,15 @@ pub struct Checks<'a> {
 
 /// Decode and check a record's header word.
 pub fn decode_header(word: u64, checks: &Checks) -> Result<Header, Damage> {
-    let size = word & 0xffff;
-    let frames = (word >> 16) & 0xffff;
-    let flags = (word >> 32) as u8;
-    let code = (word >> 40) as u8;
-    let probe = (word >> 48) as u16;
-    let what = Called::of_code(code).ok_or(Damage::Op(code))?;
+    let RecordHead {
+        size,
+        frames,
+        flags,
+        op,
+        probe,
+    } = RecordHead::unpack(word);
+    let (size, frames) = (u64::from(size), u64::from(frames));
+    let what = Called::of_code(op).ok_or(Damage::Op(op))?;
     // The probe writes exactly a header and its frames.
     if frames > layout::MAX_FRAMES || size != what.frames_at() + 8 * frames {
         return Err(Damage::Size { size, frames });

@@ -1,10 +1,47 @@
 //! Names in a jump probe's code (see [`super::code`]): its labels, one per
-//! place a branch goes to or memptrace needs to know, and the registers
-//! that carry a call's arguments.
+//! place a branch goes to or memptrace needs to know, its registers by
+//! role, and the registers that carry a call's arguments.
 
-use iced_x86::code_asm::{AsmRegister64, CodeAssembler, CodeLabel, r8, r9, rcx, rdi, rdx, rsi};
+use iced_x86::code_asm::{
+    AsmRegister32, AsmRegister64, CodeAssembler, CodeLabel, ebp, ebx, r8, r9, r9d, r10, r11, r12,
+    r13, r14, r15, rbx, rcx, rdi, rdx, rsi,
+};
 
 use super::layout::slot;
+
+// Registers by role. While a probe runs, the caller-saved registers that
+// carry no argument (System V ABI) serve it, and it saves the callee-saved
+// ones its walk uses. r9 carries a sixth argument only into a mapping
+// function, and `code::room` keeps it in the slot first: after that it serves
+// several roles, one at a time, each named here.
+
+/// The thread's slot, from `code::enter` on.
+pub(super) const SLOT: AsmRegister64 = r10;
+/// Where the record goes in the ring, from `code::room` on.
+pub(super) const RECORD: AsmRegister64 = r11;
+/// The walk's frame: its address (a return address, or an interrupted
+/// address + 1), its CFA so far (its stack pointer), its rbp.
+pub(super) const IP: AsmRegister64 = r12;
+pub(super) const CFA: AsmRegister64 = r13;
+pub(super) const BP: AsmRegister64 = r14;
+/// Where the walk writes the next frame.
+pub(super) const OUT: AsmRegister64 = r15;
+/// Frames the walk may still take.
+pub(super) const LEFT: AsmRegister64 = rbx;
+pub(super) const LEFT32: AsmRegister32 = ebx;
+/// The record's flags, while the walk runs.
+pub(super) const FLAGS32: AsmRegister32 = ebp;
+/// The end of the thread's stack, while the walk runs...
+pub(super) const STACK_END: AsmRegister64 = r9;
+/// ...but for a table's search, which holds the SVMA it looks for there
+/// (and reloads the stack's end after).
+pub(super) const SVMA: AsmRegister64 = r9;
+pub(super) const SVMA32: AsmRegister32 = r9d;
+/// The function's result, while its record is finished.
+pub(super) const RESULT: AsmRegister64 = r9;
+/// The interrupted probe's slot, while a signal handler's call looks for
+/// the thread's signal slot.
+pub(super) const INTERRUPTED: AsmRegister64 = r9;
 
 /// The labels of a probe.
 pub(super) struct Labels {

@@ -28,99 +28,179 @@ pub const SLOT_BITS: u32 = 10;
 pub const SLOTS: u64 = 1 << SLOT_BITS;
 /// Places a probe looks at, from the hashed one on.
 pub const PROBES: u64 = 4;
-pub const SLOT_SIZE: u64 = 256;
+pub const SLOT_SIZE: u64 = size_of::<Slot>() as u64;
 
-/// Header fields.
-pub const MAGIC: u64 = 0;
-/// The next sequence number (`lock xadd`): a total order of every record
-/// of the address space.
-pub const SEQ: u64 = 64;
-/// Address of the unwind directory in use.
-pub const DIRECTORY: u64 = 128;
-/// A `struct timespec` of 1 ms: how long a thread waits on a full ring
-/// before it looks again.
-pub const WAIT_TIMESPEC: u64 = 192;
-/// memptrace's process and tracer thread: a thread that finds its ring
-/// full sends that thread SIGCHLD, which wakes it if it sleeps.
-pub const TRACER_PID: u64 = 256;
-pub const TRACER_TID: u64 = 264;
-/// Not 0: the probe must not send that signal. memptrace sets it in every
-/// area: a seccomp filter the program installs at any time may kill it
-/// for `tgkill`, and memptrace reads the rings every 1 ms anyway.
-pub const NO_WAKE: u64 = 384;
-/// Whether memptrace is still there (attach only: see [`ALIVE_TICKS`]).
-/// memptrace's last heartbeat: the time-stamp counter (`rdtsc`), stored
-/// from its wait loop at every tick.
-pub const ALIVE_TSC: u64 = 512;
-/// How many counter ticks after its last heartbeat memptrace counts as
-/// gone (about a second); 0: never (a launched program dies with
-/// memptrace, so its probes never need to give up on it).
-pub const ALIVE_TICKS: u64 = 520;
-/// Set when memptrace lets go of the area (its end, orderly or not): the
-/// probes record nothing from then on.
-pub const GONE: u64 = 528;
-/// A 4-byte futex word holding the id of a thread of memptrace's, which the
-/// kernel clears (FUTEX_OWNER_DIED) the moment memptrace dies, however it
-/// dies (see `os::sentinel`): a probe that finds no thread id here lets the
-/// call through at once. 0 also once memptrace let go of the area.
-pub const ALIVE_WORD: u64 = 640;
-/// Calls a probe let through unrecorded because memptrace looked gone
-/// (`lock inc`): a thread with no slot, or with a full ring, goes on
-/// rather than wait for a tracer that may never answer.
-pub const LET_THROUGH: u64 = 576;
-pub const HEADER_SIZE: u64 = 4096;
+/// The area's header, as the probes and memptrace see it: each group of
+/// fields on a cache line (or several) of its own, so that the threads'
+/// `lock xadd` on the sequence counter does not share a line with what
+/// memptrace stores at every tick.
+#[repr(C)]
+pub struct Header {
+    pub magic: u64,
+    _pad0: [u64; 7],
+    /// The next sequence number (`lock xadd`): a total order of every
+    /// record of the address space.
+    pub seq: u64,
+    _pad1: [u64; 7],
+    /// Address of the unwind directory in use.
+    pub directory: u64,
+    _pad2: [u64; 7],
+    /// A `struct timespec` of 1 ms: how long a thread waits on a full ring
+    /// before it looks again.
+    pub wait_timespec: [u64; 2],
+    _pad3: [u64; 6],
+    /// memptrace's process and tracer thread: a thread that finds its ring
+    /// full sends that thread SIGCHLD, which wakes it if it sleeps.
+    pub tracer_pid: u64,
+    pub tracer_tid: u64,
+    _pad4: [u64; 14],
+    /// Not 0: the probe must not send that signal. memptrace sets it in
+    /// every area: a seccomp filter the program installs at any time may
+    /// kill it for `tgkill`, and memptrace reads the rings every 1 ms
+    /// anyway.
+    pub no_wake: u64,
+    _pad5: [u64; 15],
+    /// Whether memptrace is still there (attach only: see [`ALIVE_TICKS`]).
+    /// memptrace's last heartbeat: the time-stamp counter (`rdtsc`),
+    /// stored from its wait loop at every tick.
+    pub alive_tsc: u64,
+    /// How many counter ticks after its last heartbeat memptrace counts as
+    /// gone (about a second); 0: never (a launched program dies with
+    /// memptrace, so its probes never need to give up on it).
+    pub alive_ticks: u64,
+    /// Set when memptrace lets go of the area (its end, orderly or not):
+    /// the probes record nothing from then on.
+    pub gone: u64,
+    _pad6: [u64; 5],
+    /// Calls a probe let through unrecorded because memptrace looked gone
+    /// (`lock inc`): a thread with no slot, or with a full ring, goes on
+    /// rather than wait for a tracer that may never answer.
+    pub let_through: u64,
+    _pad7: [u64; 7],
+    /// A 4-byte futex word holding the id of a thread of memptrace's, which
+    /// the kernel clears (FUTEX_OWNER_DIED) the moment memptrace dies,
+    /// however it dies (see `os::sentinel`): a probe that finds no thread
+    /// id here lets the call through at once. 0 also once memptrace let go
+    /// of the area.
+    pub alive_word: u64,
+    _pad8: [u64; 431],
+}
+
+/// Offsets of the [`Header`]'s fields, for the probes' code and the
+/// control area's accessors.
+macro_rules! offsets {
+    ($ty:ty { $($name:ident = $field:ident),* $(,)? }) => {
+        $(
+            #[doc = concat!("Offset of `", stringify!($field), "` (see [`", stringify!($ty), "`]).")]
+            pub const $name: u64 = std::mem::offset_of!($ty, $field) as u64;
+        )*
+    };
+}
+
+offsets!(Header {
+    MAGIC = magic,
+    SEQ = seq,
+    DIRECTORY = directory,
+    WAIT_TIMESPEC = wait_timespec,
+    TRACER_PID = tracer_pid,
+    TRACER_TID = tracer_tid,
+    NO_WAKE = no_wake,
+    ALIVE_TSC = alive_tsc,
+    ALIVE_TICKS = alive_ticks,
+    GONE = gone,
+    LET_THROUGH = let_through,
+    ALIVE_WORD = alive_word,
+});
+pub const HEADER_SIZE: u64 = size_of::<Header>() as u64;
 
 pub const MAGIC_VALUE: u64 = u64::from_le_bytes(*b"memptrc1");
 
-/// Slot fields, written by memptrace.
-pub mod slot {
+/// A thread's slot. memptrace writes the fixed part (`key` last); the
+/// thread owning the slot writes its working part.
+#[repr(C)]
+pub struct Slot {
     /// The thread pointer (fs base) + 1 of the thread owning the slot; 0: free.
-    pub const KEY: u64 = 0;
+    pub key: u64,
     /// Bit 0: the thread's calls are not recorded (a vfork child runs on
     /// its stack and thread pointer until it execs).
-    pub const FLAGS: u64 = 8;
+    pub flags: u64,
     /// The thread's stack mapping: unwinding reads nothing outside it.
-    pub const STACK_LO: u64 = 16;
-    pub const STACK_HI: u64 = 24;
+    pub stack_lo: u64,
+    pub stack_hi: u64,
     /// Address of the slot's ring.
-    pub const RING: u64 = 32;
+    pub ring: u64,
+    /// Address of the thread's cache of unwind rules.
+    pub cache: u64,
+    _pad0: [u64; 2],
     // Written by the thread.
     /// The stack pointer of the probe running on the thread (0: none): a
     /// probe entered below it is a signal handler's, which records nothing;
     /// one entered above it means the holder was left by a longjmp.
-    pub const BUSY: u64 = 64;
+    pub busy: u64,
     /// The stack pointer at the entry of the thread's outermost call in
     /// progress (0: none).
-    pub const PENDING_SP: u64 = 72;
+    pub pending_sp: u64,
     /// Its arguments.
-    pub const ARG0: u64 = 80;
-    pub const ARG1: u64 = 88;
-    pub const ARG2: u64 = 96;
-    /// Frames it recorded at its entry, waiting in the ring past the head.
-    pub const PENDING_FRAMES: u64 = 104;
+    pub arg0: u64,
+    pub arg1: u64,
+    pub arg2: u64,
+    /// Frames it recorded at its entry, waiting in the ring past the head
+    /// (the count, and the record's flags: see [`PENDING_FLAGS_SHIFT`]).
+    pub pending_frames: u64,
     /// Calls of the thread seen but not recorded: nested in a pending call
     /// or in a probe interrupted by a signal handler.
-    pub const NESTED: u64 = 112;
+    pub nested: u64,
     /// Outermost calls whose frame was left by a longjmp.
-    pub const ABANDONED: u64 = 120;
+    pub abandoned: u64,
     /// Bytes of records committed, ever (the ring position is this modulo
     /// the ring size).
-    pub const HEAD: u64 = 128;
+    pub head: u64,
     /// Set by a thread waiting for room in its ring (memptrace wakes it).
-    pub const WAITING: u64 = 136;
+    pub waiting: u64,
     /// Times the thread found its ring full and waited for memptrace.
-    pub const WAITS: u64 = 144;
-    /// Address of the thread's cache of unwind rules (written by memptrace).
-    pub const CACHE: u64 = 40;
+    pub waits: u64,
     /// The directory the cache was filled under (written by the thread).
-    pub const CACHE_DIR: u64 = 152;
-    /// Bytes of records memptrace has taken, ever (written by memptrace).
-    pub const TAIL: u64 = 192;
+    pub cache_dir: u64,
     /// A mapping call's fourth to sixth arguments (its probe keeps rcx, r8
     /// and r9 for the function, which takes them).
-    pub const ARG3: u64 = 160;
-    pub const ARG4: u64 = 168;
-    pub const ARG5: u64 = 176;
+    pub arg3: u64,
+    pub arg4: u64,
+    pub arg5: u64,
+    _pad1: u64,
+    /// Bytes of records memptrace has taken, ever (written by memptrace,
+    /// on a cache line of its own).
+    pub tail: u64,
+    _pad2: [u64; 7],
+}
+
+/// Offsets of the [`Slot`]'s fields.
+pub mod slot {
+    use super::Slot;
+
+    offsets!(Slot {
+        KEY = key,
+        FLAGS = flags,
+        STACK_LO = stack_lo,
+        STACK_HI = stack_hi,
+        RING = ring,
+        CACHE = cache,
+        BUSY = busy,
+        PENDING_SP = pending_sp,
+        ARG0 = arg0,
+        ARG1 = arg1,
+        ARG2 = arg2,
+        PENDING_FRAMES = pending_frames,
+        NESTED = nested,
+        ABANDONED = abandoned,
+        HEAD = head,
+        WAITING = waiting,
+        WAITS = waits,
+        CACHE_DIR = cache_dir,
+        ARG3 = arg3,
+        ARG4 = arg4,
+        ARG5 = arg5,
+        TAIL = tail,
+    });
 }
 
 /// Set in the key of a thread's second slot, the one its mapping calls use
@@ -145,19 +225,34 @@ pub const SIGNAL_KEY: u64 = 1 << 62;
 pub const DIRS: u64 = (HEADER_SIZE + (SLOTS + PROBES) * SLOT_SIZE).next_multiple_of(4096);
 pub const DIR_COUNT: u64 = 8;
 pub const DIR_SIZE: u64 = 64 << 10;
-pub const DIR_ENTRY_SIZE: u64 = 48;
+pub const DIR_ENTRY_SIZE: u64 = size_of::<DirEntry>() as u64;
 pub const DIR_ENTRIES: u64 = (DIR_SIZE - 16) / DIR_ENTRY_SIZE;
 
 /// Directory entry fields: the image's range, its load bias, its table.
-pub mod dir {
-    pub const START: u64 = 0;
-    pub const END: u64 = 8;
-    pub const BIAS: u64 = 16;
+#[repr(C)]
+pub struct DirEntry {
+    pub start: u64,
+    pub end: u64,
+    pub bias: u64,
     /// Address of the row keys (u32 SVMA of each row's start, sorted).
-    pub const KEYS: u64 = 24;
-    /// Address of the rules (u32 each, see [`super::rule`]).
-    pub const RULES: u64 = 32;
-    pub const ROWS: u64 = 40;
+    pub keys: u64,
+    /// Address of the rules (u32 each, see [`rule`]).
+    pub rules: u64,
+    pub rows: u64,
+}
+
+/// Offsets of the [`DirEntry`]'s fields.
+pub mod dir {
+    use super::DirEntry;
+
+    offsets!(DirEntry {
+        START = start,
+        END = end,
+        BIAS = bias,
+        KEYS = keys,
+        RULES = rules,
+        ROWS = rows,
+    });
 }
 
 /// The rules of the unwind tables (see [`crate::unwind::tables`]).
@@ -177,7 +272,7 @@ pub const RING_SIZE: u64 = 1 << 20;
 /// The largest record: a mapping call's header and [`MAX_FRAMES`] return
 /// addresses.
 pub const MAX_FRAMES: u64 = 128;
-pub const RECORD_HEADER: u64 = 64;
+pub const RECORD_HEADER: u64 = record::FRAMES;
 pub const MAP_RECORD_HEADER: u64 = record::MAP_FRAMES;
 pub const MAX_RECORD: u64 = MAP_RECORD_HEADER + MAX_FRAMES * 8;
 /// Ring and the room past its end for a record that starts near it (a
@@ -194,29 +289,61 @@ pub const CACHE_SIZE: u64 = 16 << CACHE_BITS;
 /// The whole area.
 pub const AREA_SIZE: u64 = CACHES + (SLOTS + PROBES) * CACHE_SIZE;
 
-/// Record fields (8-byte aligned, [`RECORD_HEADER`] bytes, then the frames;
-/// a mapping call's record: [`MAP_RECORD_HEADER`] bytes, then the frames).
-pub mod record {
-    /// u16 size of the record in bytes, u16 frames, u8 flags, u8 op
-    /// (`Op as u8`; a mapping call's: [`MAP_OPS`] + its index in
-    /// `MapOp::ALL`), u16 the probe's number.
-    pub const HEAD: u64 = 0;
-    pub const SEQ: u64 = 8;
-    pub const TSC: u64 = 16;
-    pub const ARG0: u64 = 24;
-    pub const ARG1: u64 = 32;
-    pub const ARG2: u64 = 40;
-    pub const RET: u64 = 48;
+/// An allocator call's record (8-byte aligned), followed by its frames.
+#[repr(C)]
+pub struct Record {
+    /// A [`RecordHead`], packed.
+    pub head: u64,
+    pub seq: u64,
+    pub tsc: u64,
+    pub arg0: u64,
+    pub arg1: u64,
+    pub arg2: u64,
+    pub ret: u64,
     /// posix_memalign: the block stored through its first argument.
-    pub const STORED: u64 = 56;
-    pub const FRAMES: u64 = 64;
+    pub stored: u64,
+}
 
-    /// A mapping call's record: `STORED` holds its fourth argument, then
-    /// come the fifth and sixth, then the frames.
-    pub const ARG3: u64 = STORED;
-    pub const ARG4: u64 = 64;
-    pub const ARG5: u64 = 72;
-    pub const MAP_FRAMES: u64 = 80;
+/// A mapping call's record: its fourth argument where an allocator call's
+/// record has `stored`, then the fifth and sixth, then the frames.
+#[repr(C)]
+pub struct MapRecord {
+    pub head: u64,
+    pub seq: u64,
+    pub tsc: u64,
+    pub arg0: u64,
+    pub arg1: u64,
+    pub arg2: u64,
+    pub ret: u64,
+    pub arg3: u64,
+    pub arg4: u64,
+    pub arg5: u64,
+}
+
+/// Offsets of the fields of a [`Record`] and a [`MapRecord`], and the
+/// record's flags.
+pub mod record {
+    use super::{MapRecord, Record};
+
+    offsets!(Record {
+        HEAD = head,
+        SEQ = seq,
+        TSC = tsc,
+        ARG0 = arg0,
+        ARG1 = arg1,
+        ARG2 = arg2,
+        RET = ret,
+        STORED = stored,
+    });
+    offsets!(MapRecord {
+        ARG3 = arg3,
+        ARG4 = arg4,
+        ARG5 = arg5,
+    });
+    /// Where an allocator call's frames start.
+    pub const FRAMES: u64 = size_of::<Record>() as u64;
+    /// Where a mapping call's frames start.
+    pub const MAP_FRAMES: u64 = size_of::<MapRecord>() as u64;
     /// The op code of a mapping call's record: this + its `MapOp` index.
     pub const MAP_OPS: u8 = 0x40;
 
@@ -226,6 +353,57 @@ pub mod record {
     /// Flag: `--max-depth` frames were taken.
     pub const FULL: u8 = 2;
 }
+
+/// A record's header word ([`Record::head`]), the one format both sides
+/// share: the probe packs it (`code::finish_record`, with these shifts
+/// and, for its constant part, [`RecordHead::pack`]) and memptrace unpacks
+/// it with [`RecordHead::unpack`] before it checks it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecordHead {
+    /// Bytes of the record, its frames included.
+    pub size: u16,
+    pub frames: u16,
+    /// [`record::TRUNCATED`], [`record::FULL`].
+    pub flags: u8,
+    /// `Op as u8`; a mapping call's: [`record::MAP_OPS`] + its index in
+    /// `MapOp::ALL` (see [`Called::code`]).
+    pub op: u8,
+    /// The probe's number in its space.
+    pub probe: u16,
+}
+
+impl RecordHead {
+    pub const SIZE_SHIFT: u32 = 0;
+    pub const FRAMES_SHIFT: u32 = 16;
+    pub const FLAGS_SHIFT: u32 = 32;
+    pub const OP_SHIFT: u32 = 40;
+    pub const PROBE_SHIFT: u32 = 48;
+
+    pub fn pack(self) -> u64 {
+        u64::from(self.size) << Self::SIZE_SHIFT
+            | u64::from(self.frames) << Self::FRAMES_SHIFT
+            | u64::from(self.flags) << Self::FLAGS_SHIFT
+            | u64::from(self.op) << Self::OP_SHIFT
+            | u64::from(self.probe) << Self::PROBE_SHIFT
+    }
+
+    /// Every word is some header: whether its fields make sense is for the
+    /// reader to check (`decode::decode_header`).
+    pub fn unpack(word: u64) -> RecordHead {
+        RecordHead {
+            size: (word >> Self::SIZE_SHIFT) as u16,
+            frames: (word >> Self::FRAMES_SHIFT) as u16,
+            flags: (word >> Self::FLAGS_SHIFT) as u8,
+            op: (word >> Self::OP_SHIFT) as u8,
+            probe: (word >> Self::PROBE_SHIFT) as u16,
+        }
+    }
+}
+
+/// How a slot's [`Slot::pending_frames`] holds a call's frame count (low
+/// 16 bits) and its record's flags (from this bit on), between the walk
+/// and the record.
+pub const PENDING_FLAGS_SHIFT: u32 = 16;
 
 /// What a probe records: an allocator call, or a mapping call (six
 /// arguments, in a slot of its own: see [`MAP_KEY`]).
@@ -313,6 +491,75 @@ pub fn cache_offset(i: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_structs_keep_the_offsets_the_probes_were_built_on() {
+        // The header's groups each on a cache line of their own.
+        let header = [
+            (MAGIC, 0),
+            (SEQ, 64),
+            (DIRECTORY, 128),
+            (WAIT_TIMESPEC, 192),
+            (TRACER_PID, 256),
+            (TRACER_TID, 264),
+            (NO_WAKE, 384),
+            (ALIVE_TSC, 512),
+            (ALIVE_TICKS, 520),
+            (GONE, 528),
+            (LET_THROUGH, 576),
+            (ALIVE_WORD, 640),
+            (HEADER_SIZE, 4096),
+        ];
+        for (offset, expected) in header {
+            assert_eq!(offset, expected);
+        }
+        // memptrace's tail on a line of its own, away from the thread's
+        // fields.
+        assert_eq!(SLOT_SIZE, 256);
+        assert_eq!(slot::TAIL, 192);
+        let threads = [
+            slot::BUSY,
+            slot::PENDING_SP,
+            slot::ARG0,
+            slot::ARG1,
+            slot::ARG2,
+            slot::PENDING_FRAMES,
+            slot::NESTED,
+            slot::ABANDONED,
+            slot::HEAD,
+            slot::WAITING,
+            slot::WAITS,
+            slot::CACHE_DIR,
+            slot::ARG3,
+            slot::ARG4,
+            slot::ARG5,
+        ];
+        assert!(threads.iter().all(|&f| (64..192).contains(&f)));
+        const { assert!(slot::CACHE < 64 && slot::RING < 64 && slot::KEY == 0) };
+        assert_eq!((DIR_ENTRY_SIZE, dir::ROWS), (48, 40));
+        // A mapping call's record is an allocator call's with its fourth
+        // argument where the stored block goes.
+        assert_eq!(record::ARG3, record::STORED);
+        assert_eq!((record::FRAMES, record::MAP_FRAMES), (64, 80));
+        assert_eq!(MAP_RECORD_HEADER, 80);
+    }
+
+    #[test]
+    fn a_record_head_packs_and_unpacks() {
+        let head = RecordHead {
+            size: 0x1234,
+            frames: 0xfedc,
+            flags: record::TRUNCATED | record::FULL,
+            op: record::MAP_OPS + 3,
+            probe: 0xabcd,
+        };
+        let word = head.pack();
+        assert_eq!(word, 0xabcd_4303_fedc_1234);
+        assert_eq!(RecordHead::unpack(word), head);
+        for word in [0, u64::MAX, 0x8000_0000_0000_0001] {
+            assert_eq!(RecordHead::unpack(word).pack(), word);
+        }
+    }
 
     #[test]
     fn layout_is_consistent() {

@@ -98,11 +98,11 @@ impl Rig {
         while pos < head {
             let r = ring + pos % layout::RING_SIZE as usize;
             let word = |f: u64| self.control.read_u64(r + f as usize);
-            let h = word(record::HEAD);
-            let code = (h >> 40) as u8;
+            let h = layout::RecordHead::unpack(word(record::HEAD));
+            let code = h.op;
             let what = layout::Called::of_code(code).expect("a recorded op");
-            let frames = ((h >> 16) & 0xffff) as usize;
-            let size = (h & 0xffff) as usize;
+            let frames = usize::from(h.frames);
+            let size = usize::from(h.size);
             assert_eq!(size as u64, what.frames_at() + 8 * frames as u64);
             let args = match what {
                 Called::Map(_) => [
@@ -125,7 +125,7 @@ impl Rig {
             };
             out.push(MapRec {
                 code,
-                probe: (h >> 48) as u16,
+                probe: h.probe,
                 seq: word(record::SEQ),
                 args,
                 ret: word(record::RET),

@@ -12,6 +12,7 @@ pub mod decode;
 mod labels;
 pub mod layout;
 pub mod liveness;
+mod paths;
 pub mod plan;
 mod walk;
 

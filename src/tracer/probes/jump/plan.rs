@@ -11,10 +11,19 @@
 //! be shown, the function keeps an int3 on its first instruction, and the
 //! thread that stops there is sent to the same probe by memptrace.
 
-use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic};
+use iced_x86::{Code, Decoder, DecoderOptions, Encoder, FlowControl, Instruction, Mnemonic};
 
-/// Bytes of a `jmp rel32`.
+/// Bytes of a `jmp rel32` (what [`jump`] makes).
 pub const JUMP_LEN: u64 = 5;
+
+/// The `jmp rel32` at `at` to `to`, encoded by iced-x86: the one place a
+/// patch's jump is made. `None` when `to` lies beyond ±2 GiB of `at`.
+pub fn jump(at: u64, to: u64) -> Option<[u8; JUMP_LEN as usize]> {
+    let insn = Instruction::with_branch(Code::Jmp_rel32_64, to).ok()?;
+    let mut encoder = Encoder::new(64);
+    encoder.encode(&insn, at).ok()?;
+    encoder.take_buffer().try_into().ok()
+}
 const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 
 /// How a function's entry is patched.
@@ -188,9 +197,16 @@ mod tests {
     }
 
     #[test]
+    fn encodes_a_jump_within_reach_only() {
+        assert_eq!(jump(0x1000, 0x1015), Some([0xe9, 0x10, 0, 0, 0]));
+        assert_eq!(jump(0x1000, 0x0ff0), Some([0xe9, 0xeb, 0xff, 0xff, 0xff]));
+        assert_eq!(jump(0x7f00_0000_0000, 0x1000), None);
+    }
+
+    #[test]
     fn jumps_over_endbr64() {
         let mut code = ENDBR64.to_vec();
-        code.extend([0xe9, 0x10, 0x00, 0x00, 0x00]); // jmp rel32 (musl's malloc)
+        code.extend(jump(AT + 4, AT + 0x19).unwrap()); // jmp rel32 (musl's malloc)
         let plan = plan(&code, AT);
         assert!(plan.is_jump(), "{:?}", plan.int3);
         assert_eq!(plan.at, AT + 4);

@@ -7,7 +7,7 @@
 use iced_x86::code_asm::*;
 
 use super::code::{ProbeCode, ProbeSpec, probe};
-use super::layout::{self, Called, dir, record, rule, slot};
+use super::layout::{self, Called, RecordHead, dir, record, rule, slot};
 use super::plan::{Plan, plan};
 use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
@@ -140,9 +140,7 @@ impl Rig {
         let code = probe(&spec, at).unwrap();
         self.code.write(self.next_probe, &code.bytes);
         self.next_probe += code.bytes.len().next_multiple_of(64);
-        let rel = (code.entry as i64 - (plan.at as i64 + 5)) as i32;
-        let mut jump = vec![0xe9];
-        jump.extend(rel.to_le_bytes());
+        let jump = super::plan::jump(plan.at, code.entry).unwrap();
         self.code
             .write((plan.at - self.code.addr()) as usize, &jump);
         (plan, code)
@@ -168,13 +166,13 @@ impl Rig {
         while at < head {
             let r = ring + at % layout::RING_SIZE as usize;
             let word = |f: u64| self.control.read_u64(r + f as usize);
-            let h = word(record::HEAD);
-            let size = (h & 0xffff) as usize;
-            let frames = ((h >> 16) & 0xffff) as usize;
+            // The header the probe packed, unpacked the one way memptrace does.
+            let h = RecordHead::unpack(word(record::HEAD));
+            let (size, frames) = (usize::from(h.size), usize::from(h.frames));
             out.push(Rec {
-                op: (h >> 40) as u8,
-                probe: (h >> 48) as u16,
-                flags: (h >> 32) as u8,
+                op: h.op,
+                probe: h.probe,
+                flags: h.flags,
                 seq: word(record::SEQ),
                 args: [word(record::ARG0), word(record::ARG1), word(record::ARG2)],
                 ret: word(record::RET),
@@ -492,9 +490,7 @@ fn the_gate_of_dl_debug_state_goes_straight_on_without_memptrace() {
     let gate = super::liveness::gate(rig.control.addr(), &plan.displaced, plan.resume, at).unwrap();
     rig.code.write(rig.next_probe, &gate.bytes);
     rig.next_probe += gate.bytes.len().next_multiple_of(64);
-    let rel = (gate.entry as i64 - (plan.at as i64 + 5)) as i32;
-    let mut jump = vec![0xe9];
-    jump.extend(rel.to_le_bytes());
+    let jump = super::plan::jump(plan.at, gate.entry).unwrap();
     rig.code.write(DEBUG_STATE, &jump);
     assert!(gate.entry < gate.miss && gate.miss < gate.displaced);
     assert_eq!(gate.displaced_map[0], (gate.displaced, addr));

@@ -134,9 +134,13 @@ fn a_handler_inside_a_probe_records_in_the_signal_slot() {
         "nothing in the interrupted ring"
     );
     let ring = (word(slot::RING) - rig.control.addr()) as usize;
-    let header = rig.control.read_u64(ring);
-    assert_eq!((header >> 40) as u8, Op::Malloc as u8);
-    assert_eq!(word(slot::HEAD), header & 0xffff, "one record committed");
+    let header = layout::RecordHead::unpack(rig.control.read_u64(ring));
+    assert_eq!(header.op, Op::Malloc as u8);
+    assert_eq!(
+        word(slot::HEAD),
+        u64::from(header.size),
+        "one record committed"
+    );
     assert_eq!(
         rig.control.read_u64(ring + record::ARG0 as usize),
         5,
@@ -150,7 +154,7 @@ fn a_handler_inside_a_probe_records_in_the_signal_slot() {
         .write_u64(sig + slot::BUSY as usize, rig.slot_word(slot::STACK_HI) - 8);
     assert_eq!(rig.call(MALLOC, 6, 0, 0), 0x1006);
     assert_eq!(word(slot::NESTED), 1);
-    assert_eq!(word(slot::HEAD), header & 0xffff);
+    assert_eq!(word(slot::HEAD), u64::from(header.size));
 }
 
 /// Without a signal slot (none was free), the call is counted as nested.
