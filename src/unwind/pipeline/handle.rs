@@ -1,0 +1,148 @@
+//! The tracer's end of the pipeline: the queue of batches, bounded by what
+//! they hold, and the thread behind it.
+
+use std::collections::HashMap;
+use std::thread::JoinHandle;
+
+use super::{Interner, Pipeline, PipelineResult, StackCache};
+use crate::namer::NameSender;
+use crate::queue::{self, Sender, TrySendError};
+use crate::sink::{RecordSender, SinkError};
+use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
+
+/// The producer side, held by the tracer.
+pub struct PipelineHandle {
+    tx: Option<Sender<Vec<TraceMsg>>>,
+    thread: Option<JoinHandle<Result<PipelineResult, SinkError>>>,
+}
+
+/// What the queue from the tracer holds at most, in bytes of messages (see
+/// [`weigh`]), the batch being unwound included: a batch is anything from
+/// one message to tens of thousands of calls, and a bound of 32 batches let
+/// about 1 GB of calls wait under `-f -- make -j2`.
+const QUEUE_BYTES: u64 = 48 << 20;
+
+/// About the bytes a batch holds: its messages and what they point to
+/// (stack copies, frames), not the images they share.
+#[allow(clippy::ptr_arg)] // the queue's items are `Vec`s
+pub fn weigh(batch: &Vec<TraceMsg>) -> u64 {
+    let each = |msg: &TraceMsg| {
+        let stack = |stack: &CallStack| match stack {
+            CallStack::CallerOnly(_) => 0,
+            CallStack::Unwound { ips, .. } => ips.len() * 8,
+            CallStack::Sample(sample) => sample.bytes.len(),
+        };
+        let held = match msg {
+            TraceMsg::Call(call) => size_of::<RawCall>() + stack(&call.stack),
+            TraceMsg::Map(map) => size_of::<RawMap>() + stack(&map.stack),
+            TraceMsg::Calls(batch) => {
+                batch.calls.len() * size_of::<crate::trace_msg::BatchedCall>()
+                    + batch.frames.len() * 8
+            }
+            TraceMsg::Trampolines { areas, .. } => areas.len() * 16,
+            TraceMsg::Record(record) => record.heap_bytes(),
+            _ => 0,
+        };
+        size_of::<TraceMsg>() + held
+    };
+    batch.iter().map(each).sum::<usize>() as u64
+}
+
+impl PipelineHandle {
+    /// Start the pipeline thread. `unwind_here`: stack samples are unwound
+    /// with framehop on this thread (false when the tracer unwinds itself).
+    pub fn spawn(
+        recorder: RecordSender,
+        unwind_here: bool,
+        stacks: bool,
+        max_depth: usize,
+        names: Option<NameSender>,
+    ) -> PipelineHandle {
+        let (tx, rx) = queue::bounded(QUEUE_BYTES, weigh);
+        let pipeline = Pipeline {
+            unwind_here,
+            max_depth,
+            stacks,
+            processes: HashMap::new(),
+            modules_by_id: HashMap::new(),
+            interner: Interner::new(),
+            result: PipelineResult::default(),
+            out: Vec::new(),
+            ips: Vec::with_capacity(max_depth),
+            trust: Vec::with_capacity(max_depth),
+            known: Default::default(),
+            seen: StackCache::default(),
+            meta_written: Default::default(),
+            names,
+            named: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("memptrace-unwind".into())
+            .spawn(move || pipeline.run(rx, recorder))
+            .expect("spawning the pipeline thread");
+        PipelineHandle {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// A handle whose batches go to `tx`, with no thread behind it: for
+    /// unit tests of what sends them.
+    #[cfg(test)]
+    pub fn to_channel(tx: Sender<Vec<TraceMsg>>) -> PipelineHandle {
+        PipelineHandle {
+            tx: Some(tx),
+            thread: None,
+        }
+    }
+
+    pub fn send(&self, batch: Vec<TraceMsg>) -> Result<(), SinkError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        match &self.tx {
+            Some(tx) => tx
+                .send(batch)
+                .map_err(|_| SinkError::Stopped("the unwinding thread stopped".into())),
+            None => Err(SinkError::Stopped("the pipeline is finished".into())),
+        }
+    }
+
+    /// Send `batch` if the queue has room; if not, it comes back.
+    pub fn try_send(&self, batch: Vec<TraceMsg>) -> Result<Option<Vec<TraceMsg>>, SinkError> {
+        if batch.is_empty() {
+            return Ok(None);
+        }
+        match &self.tx {
+            Some(tx) => match tx.try_send(batch) {
+                Ok(()) => Ok(None),
+                Err(TrySendError::Full(batch)) => Ok(Some(batch)),
+                Err(TrySendError::Disconnected(_)) => {
+                    Err(SinkError::Stopped("the unwinding thread stopped".into()))
+                }
+            },
+            None => Err(SinkError::Stopped("the pipeline is finished".into())),
+        }
+    }
+
+    /// Wait for everything sent to be processed and handed to the recorder.
+    pub fn finish(mut self) -> Result<PipelineResult, SinkError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<PipelineResult, SinkError> {
+        drop(self.tx.take());
+        match self.thread.take() {
+            Some(thread) => thread
+                .join()
+                .map_err(|_| SinkError::Stopped("the unwinding thread panicked".into()))?,
+            None => Ok(PipelineResult::default()),
+        }
+    }
+}
+
+impl Drop for PipelineHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
