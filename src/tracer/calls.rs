@@ -21,20 +21,19 @@
 //! (see [`super::handlers`]). The bookkeeping runs after the thread is
 //! resumed.
 
-use super::callsite;
 use super::copies::{CopyInto, PendingCopy};
 use super::heapmaps::HeldCall;
 use super::ledger::CallFacts;
 use super::probes::{HookKind, Probe};
-use super::process::PendingCall;
+use super::process::{PendingCall, PendingMap};
 use super::space::buffers::STACK_COPY;
 use super::{TraceError, Tracer};
-use crate::event::Op;
+use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::mem::{self, ProcessMemory};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
-use crate::trace_msg::{CallStack, RawCall, StackSample, TraceMsg};
+use crate::trace_msg::{CallStack, StackSample};
 use crate::unwind::Unwinder;
 
 /// The two ways out of an int3 probe (see [`Probe::Int3`]).
@@ -164,7 +163,7 @@ impl Tracer {
         // the whole stack: such a call always gets one.
         let unknown_release = regs.rdi != 0
             && ops.iter().any(|op| op.takes_block())
-            && !self.ledger.is_live(pid as u32, regs.rdi);
+            && !self.book.ledger.is_live(pid as u32, regs.rdi);
         if let [op] = ops {
             if let Some(copy) = self.ask_copy(tid, pid, &regs, unknown_release) {
                 return self.on_entry_copying(tid, pid, regs, slot, module_id, *op, copy);
@@ -173,7 +172,7 @@ impl Tracer {
         let (ret_addr, stack) = self.capture(tid, pid, &regs, unknown_release);
         let op = match ops {
             [op] => *op,
-            _ => self.alias(pid, ops, ret_addr),
+            _ => self.family.alias(pid, ops, ret_addr),
         };
         let args = [regs.rdi, regs.rsi, regs.rdx];
         if op == Op::Free {
@@ -287,8 +286,8 @@ impl Tracer {
         if op == Op::Free {
             // Recorded now, in order; its stack follows (see `copies`).
             let facts = self.facts(pid, tid, args, 0, 0);
-            let msg = self.completed(op, &facts, stack, module_id);
-            copy.into = CopyInto::Batch(self.out.push_awaiting(msg, tid));
+            let msg = self.book.completed(op, &facts, stack, module_id);
+            copy.into = CopyInto::Batch(self.book.out.push_awaiting(msg, tid));
             if let Some(thread) = self.family.threads.get_mut(&tid) {
                 thread.copy = Some(copy);
             }
@@ -313,9 +312,9 @@ impl Tracer {
     fn on_return(&mut self, tid: Tid, regs: Regs) -> Result<(), TraceError> {
         let pid = self.family.pid_of(tid).unwrap_or(tid);
         let Some(call) = self.returning_call(tid, regs.rsp) else {
-            if let Some(map) = self.returning_map(tid, regs.rsp) {
+            if let Some(map) = self.family.returning_map(tid, regs.rsp) {
                 self.resume(tid, 0)?;
-                self.record_map(pid, tid, map, regs.rax);
+                self.book.record_map(pid, tid, map, regs.rax);
                 return Ok(());
             }
             // A call memptrace gave up on (left by a longjmp, as far as it
@@ -326,6 +325,41 @@ impl Tracer {
         self.resume(tid, 0)?;
         self.record_return(pid, tid, call, regs.rax, stored);
         Ok(())
+    }
+
+    /// The entry of a mapping function: take its arguments and stack, and
+    /// send the thread through the slot's stub (`stub`) to see its result;
+    /// a call inside the thread's mapping call in progress goes straight on
+    /// (`resume_at`).
+    pub(super) fn on_map_entry(
+        &mut self,
+        tid: Tid,
+        pid: Tid,
+        regs: Regs,
+        resume_at: u64,
+        stub: u64,
+        op: MapOp,
+    ) -> Result<(), TraceError> {
+        let thread = self.family.threads.get_mut(&tid).expect("known thread");
+        if let Some(pending) = &thread.in_map {
+            if regs.rsp < pending.entry_sp {
+                return self.redirect(tid, regs, resume_at, Vec::new());
+            }
+            // Left by a longjmp.
+            thread.in_map = None;
+        }
+        let (_, stack) = self.capture(tid, pid, &regs, true);
+        let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
+        if let Some(thread) = self.family.threads.get_mut(&tid) {
+            thread.in_map = Some(PendingMap {
+                op,
+                args,
+                entry_sp: regs.rsp,
+                stub,
+                stack,
+            });
+        }
+        self.redirect(tid, regs, stub, Vec::new())
     }
 
     /// The pending call of `tid` that a stop at a return int3 with stack
@@ -382,28 +416,11 @@ impl Tracer {
             module_id,
         };
         if let Some(call) = self.hold_back(held) {
-            let msg = self.completed(call.op, &call.facts, call.stack, call.module_id);
+            let msg = self
+                .book
+                .completed(call.op, &call.facts, call.stack, call.module_id);
             self.send(msg);
         }
-    }
-
-    /// Book a finished call: its message for the pipeline.
-    fn completed(
-        &mut self,
-        op: Op,
-        facts: &CallFacts,
-        stack: CallStack,
-        module_id: u64,
-    ) -> TraceMsg {
-        let done = self.ledger.complete(op, facts);
-        self.progress
-            .update(self.ledger.events(), self.ledger.live_bytes());
-        TraceMsg::Call(Box::new(RawCall {
-            event: done.event,
-            stack,
-            allocator_module: module_id,
-            unmatched_release: done.unmatched_release,
-        }))
     }
 
     /// The caller's return address and what the unwinder needs, taken while
@@ -426,7 +443,7 @@ impl Tracer {
         if self.opts.stack_every > 1 {
             // The call site is the return address: one word read first.
             let ret = mem.read_u64(sp).unwrap_or(0);
-            if !self.sampled(pid, ret) && !always {
+            if !self.family.sampled(pid, ret, self.opts.stack_every) && !always {
                 return (ret, CallStack::CallerOnly(ret));
             }
         }
@@ -464,21 +481,6 @@ impl Tracer {
         (ret, CallStack::Sample(StackSample { ip: ret, ..sample }))
     }
 
-    /// Whether this call of the call site `ret` gets its stack under
-    /// `--stack-every N`: every Nth call of each site, the first included.
-    pub(super) fn sampled(&mut self, pid: Tid, ret: u64) -> bool {
-        if self.opts.stack_every <= 1 {
-            return true;
-        }
-        let Some(process) = self.family.processes.get_mut(&pid) else {
-            return true;
-        };
-        let seen = process.sites.entry(ret).or_insert(0);
-        let sampled = *seen % self.opts.stack_every == 0;
-        *seen += 1;
-        sampled
-    }
-
     /// The end of the mapping holding a thread's stack, learnt once per thread
     /// (and again if the thread moves to another stack).
     pub(super) fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
@@ -498,28 +500,6 @@ impl Tracer {
             }
             None => sp + STACK_COPY,
         }
-    }
-
-    /// Which of several names sharing an address the caller used, from the
-    /// call instruction before `ret` (see [`callsite::named`]), decoded once
-    /// per call site.
-    pub(super) fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
-        let Some(process) = self.family.processes.get_mut(&pid) else {
-            return ops[0];
-        };
-        if let Some(op) = process.aliases.get(&ret) {
-            return *op;
-        }
-        let op = process
-            .space
-            .as_ref()
-            .and_then(|space| {
-                let module_at = |addr| space.module_at(addr);
-                callsite::named(&ProcessMemory(pid), &module_at, ops, ret)
-            })
-            .unwrap_or(ops[0]);
-        process.aliases.insert(ret, op);
-        op
     }
 
     /// True when process `pid`'s stacks are unwound by libunwind.

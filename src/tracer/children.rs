@@ -120,7 +120,7 @@ impl Tracer {
         else {
             return self.release_fork(tid, parent);
         };
-        let mut copy = space.fork_copy(tid, &mut self.next_module_id)?;
+        let mut copy = space.fork_copy(tid, &mut self.book.next_module_id)?;
         if let Some(control) = space.control() {
             // Its copy of the control area is shared with the parent: it
             // gets one of its own before it runs.

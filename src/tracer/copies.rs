@@ -102,7 +102,7 @@ impl Tracer {
     /// Calls of the batch waiting for copies that are now done: fill them.
     /// Calls of threads that are gone get no stack.
     pub(super) fn settle_finished(&mut self) {
-        for (at, tid) in self.out.awaiting() {
+        for (at, tid) in self.book.out.awaiting() {
             let copy = self.family.threads.get(&tid).and_then(|t| t.copy);
             match copy {
                 Some(copy) if copy.into == CopyInto::Batch(at) => {
@@ -186,11 +186,14 @@ impl Tracer {
             .get(..8)
             .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")));
         let caller_only = match copy {
-            Some(c) => !self.opts.stacks || (!c.always && !self.sampled(c.pid, ret)),
+            Some(c) => {
+                !self.opts.stacks
+                    || (!c.always && !self.family.sampled(c.pid, ret, self.opts.stack_every))
+            }
             None => false,
         };
         if !caller_only {
-            self.out.add_bytes(bytes.len());
+            self.book.out.add_bytes(bytes.len());
         }
         let stack = match into {
             CopyInto::Call => self
@@ -199,7 +202,7 @@ impl Tracer {
                 .get_mut(&tid)
                 .and_then(|t| t.in_call.as_mut())
                 .map(|call| &mut call.stack),
-            CopyInto::Batch(at) => match self.out.take_awaiting(at) {
+            CopyInto::Batch(at) => match self.book.out.take_awaiting(at) {
                 Some(TraceMsg::Call(call)) => Some(&mut call.stack),
                 _ => None,
             },

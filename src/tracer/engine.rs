@@ -26,7 +26,7 @@ impl Tracer {
         let ending = ending?;
         flushed?;
         let stats = std::mem::take(&mut self.stats);
-        Ok((ending, stats, self.out.into_pipeline()))
+        Ok((ending, stats, self.book.out.into_pipeline()))
     }
 
     /// After the wait loop, however it ended (`failed`: let the program go).
@@ -48,10 +48,10 @@ impl Tracer {
             self.count_probes(pid);
         }
         self.warn_let_through();
-        if self.out.awaiting_copies() {
+        if self.book.out.awaiting_copies() {
             self.settle_finished();
         }
-        Ok(self.out.send_ready(true)?)
+        Ok(self.book.out.send_ready(true)?)
     }
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {
@@ -64,16 +64,16 @@ impl Tracer {
                 break;
             }
             if self.ticked() {
-                failure::panic_if_asked(self.ledger.events());
+                failure::panic_if_asked(self.book.ledger.events());
                 self.beat();
-                if let Some(clock) = self.tsc.as_mut() {
+                if let Some(clock) = self.book.tsc.as_mut() {
                     clock.refine(
-                        self.clock.elapsed().as_nanos() as u64,
+                        self.book.clock.elapsed().as_nanos() as u64,
                         crate::os::local::tsc(),
                     );
                 }
                 self.flush()?;
-            } else if self.out.full() {
+            } else if self.book.out.full() {
                 self.flush()?;
             }
             self.finish_inventory(false);
@@ -125,7 +125,7 @@ impl Tracer {
     /// process group, which decides), the first one when attached. So do
     /// the end of `--duration` and a database that cannot grow.
     pub(super) fn stop_requested(&self) -> Option<String> {
-        if let Some(reason) = self.progress.halt.get() {
+        if let Some(reason) = self.book.progress.halt.get() {
             return Some(reason.clone());
         }
         if let Some(sig) = signals::terminate_signal() {
@@ -151,10 +151,10 @@ impl Tracer {
     /// its thread's stack copy (see [`copies`]).
     /// While the pipeline is busy the batch grows instead (see [`outbox`]).
     pub(super) fn flush(&mut self) -> Result<(), TraceError> {
-        if self.out.awaiting_copies() {
+        if self.book.out.awaiting_copies() {
             self.settle_finished();
         }
-        Ok(self.out.send_ready(false)?)
+        Ok(self.book.out.send_ready(false)?)
     }
 
     fn dispatch(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {

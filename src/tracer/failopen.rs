@@ -36,7 +36,7 @@ impl Tracer {
     /// The age of a heartbeat, in counter ticks, at which the probes count
     /// memptrace as gone: attach with jump probes only (0: never).
     pub(super) fn alive_ticks(&self) -> u64 {
-        match (&self.tsc, self.control.attached) {
+        match (&self.book.tsc, self.control.attached) {
             (Some(clock), true) => clock.ticks_in(ALIVE).max(1),
             _ => 0,
         }

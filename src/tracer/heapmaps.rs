@@ -107,13 +107,13 @@ impl Tracer {
     pub(super) fn take_inventory(&mut self, inventory: Inventory, pause: Pause) {
         let started = Instant::now();
         if self.jumps() {
-            let walked = walk_copy(inventory, std::mem::take(&mut self.ledger));
+            let walked = walk_copy(inventory, std::mem::take(&mut self.book.ledger));
             self.book_inventory(walked, pause, started);
             return;
         }
         let (pid, ts_ns) = (inventory.pid, inventory.ts_ns);
         // The ledger is empty at attach: the walk's thread fills it.
-        let ledger = std::mem::take(&mut self.ledger);
+        let ledger = std::mem::take(&mut self.book.ledger);
         let walk = std::thread::Builder::new()
             .name("memptrace-walk".into())
             .spawn(move || walk_copy(inventory, ledger));
@@ -194,13 +194,14 @@ impl Tracer {
             ledger,
             events,
         } = walked;
-        self.ledger = ledger;
-        self.progress
-            .update(self.ledger.events(), self.ledger.live_bytes());
+        self.book.ledger = ledger;
+        self.book
+            .progress
+            .update(self.book.ledger.events(), self.book.ledger.live_bytes());
         // 150 000 events in one piece: pushed one by one, the batch grew
         // by copies (and before, handing them over waited for the
         // pipeline: a third of the attach's stop when it was in it).
-        self.out.append(events);
+        self.book.out.append(events);
         self.send_heap(pid, ts_ns, "attach", map);
         pause.after = Some(("inventory", started.elapsed()));
         self.stats.pauses.push(pause);

@@ -43,10 +43,10 @@ impl Tracer {
                 self.count_probes(pid);
                 self.forget_images(pid);
                 // The exec released the old image's blocks: not leaks.
-                let alloc_ids = self.ledger.forget_process(pid as u32);
+                let alloc_ids = self.book.ledger.forget_process(pid as u32);
                 if !alloc_ids.is_empty() {
                     let ts_ns = self.now_ns();
-                    self.out.push(TraceMsg::Record(Record::ExecReleased {
+                    self.book.out.push(TraceMsg::Record(Record::ExecReleased {
                         pid: pid as u32,
                         ts_ns,
                         alloc_ids,
@@ -120,7 +120,7 @@ impl Tracer {
         else {
             return Ok(Vec::new());
         };
-        let changes = space.refresh(tid, &mut self.next_module_id)?;
+        let changes = space.refresh(tid, &mut self.book.next_module_id)?;
         let hooked = space.hooks.allocators() as u64;
         let areas = space.area_ranges();
         let Changes {
@@ -216,7 +216,7 @@ impl Tracer {
                 ts_ns: now,
             })
             .collect();
-        self.out.extend(gone);
+        self.book.out.extend(gone);
     }
 
     /// libunwind's state for process `pid`, made on first use; `None` when

@@ -8,65 +8,27 @@
 //! (glibc's sbrk calls brk). Whether the allocator made the call (arena
 //! growth, a large block) is told by the pipeline, from the stack.
 
+use super::booking::Booking;
 use super::probes::jump::control::Record;
 use super::probes::jump::layout::record;
-use super::process::PendingMap;
-use super::{TraceError, Tracer};
+use super::process::{Family, PendingMap};
 use crate::event::{MapEvent, MapOp};
-use crate::os::ptrace::{Regs, Tid};
+use crate::os::ptrace::Tid;
 use crate::trace_msg::{CallStack, RawMap, TraceMsg, WalkEnd};
 
-impl Tracer {
-    /// The entry of a mapping function: take its arguments and stack, and
-    /// send the thread through the slot's stub (`stub`) to see its result;
-    /// a call inside the thread's mapping call in progress goes straight on
-    /// (`resume_at`).
-    pub(super) fn on_map_entry(
-        &mut self,
-        tid: Tid,
-        pid: Tid,
-        regs: Regs,
-        resume_at: u64,
-        stub: u64,
-        op: MapOp,
-    ) -> Result<(), TraceError> {
-        let thread = self.family.threads.get_mut(&tid).expect("known thread");
-        if let Some(pending) = &thread.in_map {
-            if regs.rsp < pending.entry_sp {
-                return self.redirect(tid, regs, resume_at, Vec::new());
-            }
-            // Left by a longjmp.
-            thread.in_map = None;
-        }
-        let (_, stack) = self.capture(tid, pid, &regs, true);
-        let args = [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9];
-        if let Some(thread) = self.family.threads.get_mut(&tid) {
-            thread.in_map = Some(PendingMap {
-                op,
-                args,
-                entry_sp: regs.rsp,
-                stub,
-                stack,
-            });
-        }
-        self.redirect(tid, regs, stub, Vec::new())
-    }
-
-    /// The pending mapping call of `tid` that a stop at a return int3 with
-    /// stack pointer `rsp` completes (see `returning_call`).
-    pub(super) fn returning_map(&mut self, tid: Tid, rsp: u64) -> Option<PendingMap> {
-        let thread = self.family.threads.get_mut(&tid)?;
-        let ours = thread
-            .in_map
-            .as_ref()
-            .is_some_and(|m| m.entry_sp.wrapping_sub(8) == rsp);
-        if ours { thread.in_map.take() } else { None }
-    }
-
+impl Booking {
     /// Book a mapping call a jump probe recorded (attach), with its
-    /// `frames`, made at `ts_ns`, as [`Tracer::record_map`] does one an
+    /// `frames`, made at `ts_ns`, as [`Booking::record_map`] does one an
     /// int3 probe caught.
-    pub(super) fn book_map(&mut self, pid: Tid, r: &Record, op: MapOp, frames: &[u64], ts_ns: u64) {
+    pub(super) fn book_map(
+        &mut self,
+        family: &Family,
+        pid: Tid,
+        r: &Record,
+        op: MapOp,
+        frames: &[u64],
+        ts_ns: u64,
+    ) {
         self.next_map_id += 1;
         let event = MapEvent {
             id: self.next_map_id,
@@ -86,11 +48,7 @@ impl Tracer {
         };
         // Without the allocator probes' return paths the walk went through
         // (see `space::retpaths`): the program's frames.
-        let space = self
-            .family
-            .processes
-            .get(&pid)
-            .and_then(|p| p.space.as_ref());
+        let space = family.processes.get(&pid).and_then(|p| p.space.as_ref());
         let ips = frames
             .iter()
             .copied()

@@ -16,6 +16,7 @@
 //! speeds.
 
 mod attach;
+mod booking;
 mod calls;
 mod callsite;
 mod children;
@@ -57,7 +58,7 @@ use crate::sink::{Record, SinkError, ThreadRecord};
 use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
-use ledger::Ledger;
+use booking::Booking;
 use merge::TscClock;
 use outbox::Outbox;
 use process::{Family, Process, Role, Thread};
@@ -228,17 +229,10 @@ struct Control {
 
 pub struct Tracer {
     opts: TraceOptions,
-    clock: Instant,
-    /// The jump probes' clock in the trace's (jump probes only).
-    tsc: Option<TscClock>,
     family: Family,
     stops: Stops,
-    out: Outbox,
-    ledger: Ledger,
-    next_module_id: u64,
-    /// Ids of mapping calls so far.
-    next_map_id: u64,
-    progress: Arc<Progress>,
+    /// Events made, stamped and sent down the pipeline (see [`booking`]).
+    book: Booking,
     /// What heap maps need of C libraries, read ahead by the namer.
     heap_facts: heap::Facts,
     stats: TraceStats,
@@ -278,17 +272,12 @@ impl Tracer {
         let deadline = opts.duration.map(|d| Instant::now() + d);
         let tsc = (opts.probes == ProbeMode::Jump)
             .then(|| TscClock::calibrate(|| clock.elapsed().as_nanos() as u64));
+        let book = Booking::new(&opts, clock, tsc, Outbox::new(pipeline), progress);
         Tracer {
             opts,
-            clock,
-            tsc,
             family: Family::default(),
             stops: Stops::default(),
-            out: Outbox::new(pipeline),
-            ledger: Ledger::new(),
-            next_module_id: 0,
-            next_map_id: 0,
-            progress,
+            book,
             heap_facts,
             stats: TraceStats::default(),
             control: Control {
@@ -332,15 +321,15 @@ impl Tracer {
 
     /// Jump probes catch the calls of this trace.
     fn jumps(&self) -> bool {
-        self.tsc.is_some()
+        self.book.tsc.is_some()
     }
 
     fn now_ns(&self) -> u64 {
-        self.clock.elapsed().as_nanos() as u64
+        self.book.now_ns()
     }
 
     fn send(&mut self, msg: TraceMsg) {
-        self.out.push(msg);
+        self.book.send(msg);
     }
 
     fn add_thread(&mut self, tid: Tid, pid: Tid) {
@@ -425,7 +414,7 @@ impl Tracer {
         if let Some(process) = self.family.processes.remove(&tid) {
             if process.recorded() {
                 self.send(TraceMsg::ProcessGone { pid: tid as u32 });
-                let _ = self.ledger.forget_process(tid as u32);
+                let _ = self.book.ledger.forget_process(tid as u32);
             }
             if let Some(space) = process.space {
                 self.release_sharers(tid, space)?;

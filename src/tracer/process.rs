@@ -8,10 +8,12 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use super::callsite;
 use super::copies::PendingCopy;
 use super::handlers::HandlerFrame;
 use super::space::Space;
 use crate::event::Op;
+use crate::os::mem::ProcessMemory;
 use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::CallStack;
 use crate::unwind::libunwind::LibunwindUnwinder;
@@ -222,6 +224,55 @@ impl Family {
     /// Nothing is traced any more, and no child is on its way.
     pub fn is_empty(&self) -> bool {
         self.processes.is_empty() && self.announced.is_empty()
+    }
+
+    /// The pending mapping call of `tid` that a stop at a return int3 with
+    /// stack pointer `rsp` completes (see `Tracer::returning_call`).
+    pub fn returning_map(&mut self, tid: Tid, rsp: u64) -> Option<PendingMap> {
+        let thread = self.threads.get_mut(&tid)?;
+        let ours = thread
+            .in_map
+            .as_ref()
+            .is_some_and(|m| m.entry_sp.wrapping_sub(8) == rsp);
+        if ours { thread.in_map.take() } else { None }
+    }
+
+    /// Whether this call of the call site `ret` gets its stack under
+    /// `--stack-every N` (`every`): every Nth call of each site, the first
+    /// included.
+    pub fn sampled(&mut self, pid: Tid, ret: u64, every: u64) -> bool {
+        if every <= 1 {
+            return true;
+        }
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return true;
+        };
+        let seen = process.sites.entry(ret).or_insert(0);
+        let sampled = *seen % every == 0;
+        *seen += 1;
+        sampled
+    }
+
+    /// Which of several names sharing an address the caller used, from the
+    /// call instruction before `ret` (see [`callsite::named`]), decoded once
+    /// per call site.
+    pub fn alias(&mut self, pid: Tid, ops: &[Op], ret: u64) -> Op {
+        let Some(process) = self.processes.get_mut(&pid) else {
+            return ops[0];
+        };
+        if let Some(op) = process.aliases.get(&ret) {
+            return *op;
+        }
+        let op = process
+            .space
+            .as_ref()
+            .and_then(|space| {
+                let module_at = |addr| space.module_at(addr);
+                callsite::named(&ProcessMemory(pid), &module_at, ops, ret)
+            })
+            .unwrap_or(ops[0]);
+        process.aliases.insert(ret, op);
+        op
     }
 }
 

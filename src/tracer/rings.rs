@@ -16,11 +16,7 @@
 use std::time::Instant;
 
 use super::Tracer;
-use super::ledger::CallFacts;
-use super::probes::jump::control::{Damaged, Record};
-use super::probes::jump::layout::{Called, record};
 use crate::os::ptrace::Tid;
-use crate::trace_msg::WalkEnd;
 
 impl Tracer {
     /// Read the rings of every process and book what can be booked in order.
@@ -54,12 +50,19 @@ impl Tracer {
         // Every record read was committed before now.
         let now_ns = self.now_ns();
         for record in &merged.ready.records {
-            self.book_record(pid, record, merged.ready.frames(record), now_ns);
+            self.book.book_record(
+                &mut self.family,
+                &mut self.stats.damaged,
+                pid,
+                record,
+                merged.ready.frames(record),
+                now_ns,
+            );
             // One reading can bring thousands of calls (a ring holds 1 MiB):
             // they go in batches of the usual size, so that what waits for
             // the pipeline and the recorder stays bounded. (If the pipeline
             // is gone, the wait loop's next flush says so.)
-            if self.out.full() {
+            if self.book.out.full() {
                 let _ = self.flush();
             }
         }
@@ -68,82 +71,6 @@ impl Tracer {
             process.merge.give_back(merged.ready);
         }
         merged.read
-    }
-
-    /// Book one record of process `pid`, with its frames.
-    fn book_record(&mut self, pid: Tid, r: &Record, frames: &[u64], now_ns: u64) {
-        let Some(space) = self
-            .family
-            .processes
-            .get(&pid)
-            .and_then(|p| p.space.as_ref())
-        else {
-            return;
-        };
-        let Some(info) = space.probe_info(r.probe) else {
-            return;
-        };
-        let module_id = info.module_id;
-        let ops = (info.ops.len() > 1).then(|| info.ops.clone());
-        let caller = frames.first().copied().unwrap_or(0);
-        let ts_ns = match self.tsc.as_mut() {
-            Some(clock) => match clock.ns_within(r.tsc, now_ns) {
-                Some(ns) => ns,
-                None => {
-                    self.stats.damaged.add(&Damaged {
-                        records: 1,
-                        first: Some(format!(
-                            "thread {}: a record stamped outside the trace (counter {})",
-                            r.tid, r.tsc
-                        )),
-                        ..Damaged::default()
-                    });
-                    return;
-                }
-            },
-            None => now_ns,
-        };
-        let op = match (r.what, ops) {
-            (Called::Map(op), _) => return self.book_map(pid, r, op, frames, ts_ns),
-            (Called::Alloc(_), Some(ops)) => self.alias(pid, &ops, caller),
-            (Called::Alloc(op), None) => op,
-        };
-        let facts = CallFacts {
-            pid: pid as u32,
-            tid: r.tid as u32,
-            ts_ns,
-            args: [r.args[0], r.args[1], r.args[2]],
-            ret: r.ret,
-            stored_ptr: r.stored,
-        };
-        // `--stack-every N`: every Nth call of a call site keeps its stack
-        // (as the int3 probes unwind it), and so does every release of a
-        // block not known to be live, which may be the allocator's own
-        // housekeeping (told apart by its whole stack).
-        // (The ledger's lookup only when it decides: a free's block is looked
-        // up once more in `complete`, and these lookups miss the cache.)
-        let whole = self.opts.stacks
-            && (self.opts.stack_every <= 1
-                || (op.takes_block()
-                    && r.args[0] != 0
-                    && !self.ledger.is_live(pid as u32, r.args[0]))
-                || self.sampled(pid, caller));
-        let end = if r.flags & record::TRUNCATED != 0 {
-            WalkEnd::Failed
-        } else {
-            WalkEnd::Outermost
-        };
-        let done = self.ledger.complete(op, &facts);
-        self.progress
-            .update(self.ledger.events(), self.ledger.live_bytes());
-        self.out.push_frames(
-            done.event,
-            frames,
-            end,
-            !whole,
-            module_id,
-            done.unmatched_release,
-        );
     }
 
     /// A thread is about to exit: what it recorded is read, and its slots

@@ -173,8 +173,8 @@ impl Tracer {
             if let Some(call) = self.returning_call(tid, regs.rsp) {
                 let stored = super::calls::stored_block(pid, &call, regs.rax);
                 self.record_return(pid, tid, call, regs.rax, stored);
-            } else if let Some(map) = self.returning_map(tid, regs.rsp) {
-                self.record_map(pid, tid, map, regs.rax);
+            } else if let Some(map) = self.family.returning_map(tid, regs.rsp) {
+                self.book.record_map(pid, tid, map, regs.rax);
             }
             return Ok(true);
         }

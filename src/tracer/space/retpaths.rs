@@ -6,7 +6,7 @@
 //! caller's return address is the word above the slot's address there
 //! (CFA = rsp + 16, rbp unchanged), so the stack goes on to the program's
 //! frames, as an int3 probe's would. memptrace leaves the return path's own
-//! address out of the stack (see `Tracer::book_map`).
+//! address out of the stack (see `Booking::book_map`).
 
 use super::Space;
 use crate::tracer::probes::Probe;
