@@ -171,7 +171,7 @@ fn main() {
         let mut scale = scale_plan(&args);
         if args.iter().any(|a| a == "--quick") {
             scale.calls.truncate(1);
-            scale.real_rounds = 1;
+            scale.real_rounds = scale.real_rounds.min(1);
         }
         match scale::run(&scale, &work_dir().join("scale")) {
             Ok(figures) => {
@@ -198,7 +198,8 @@ fn progress(what: &str) {
     eprintln!("overhead: {:6.1} s: {what}", start.elapsed().as_secs_f64());
 }
 
-/// The scale section's sizes: `--scale-calls 1000000,10000000` or 1 M, 10 M, 100 M.
+/// The scale section's sizes: `--scale-calls 1000000,10000000` or 1 M, 10 M,
+/// 100 M; `--scale-rounds N` rounds of the real programs (3; 0: none).
 fn scale_plan(args: &[String]) -> scale::ScalePlan {
     let calls = args
         .iter()
@@ -209,7 +210,7 @@ fn scale_plan(args: &[String]) -> scale::ScalePlan {
     scale::ScalePlan {
         calls,
         external: true,
-        real_rounds: 3,
+        real_rounds: value_of(args, "--scale-rounds").map_or(3, |n| n as usize),
     }
 }
 

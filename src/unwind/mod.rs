@@ -18,6 +18,7 @@ pub mod libunwind;
 pub mod pipeline;
 pub mod seen;
 pub mod signal;
+pub mod step;
 pub mod tables;
 pub mod vet;
 
