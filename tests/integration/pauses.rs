@@ -184,10 +184,6 @@ fn inventory_checked_exactly() -> bool {
     // The program changed its heap while traced, blocks of the inventory
     // among them.
     assert!(t.int("SELECT count(*) FROM events WHERE op = 'realloc'") > 1000);
-    assert!(
-        t.int("SELECT count(*) FROM allocations WHERE op = 'inventory' AND free_id IS NOT NULL")
-            > 1000
-    );
     let (traced, again) = trace_live(&t);
     let heap = heap_live(&t);
     // A thread stopped inside the allocator holding its arena's lock: that
@@ -203,6 +199,13 @@ fn inventory_checked_exactly() -> bool {
     if whole == 0 {
         return false;
     }
+    // Blocks of the inventory were released while traced (an arena left
+    // out of the inventory would leave its blocks' releases unpaired: so
+    // only for a whole inventory).
+    assert!(
+        t.int("SELECT count(*) FROM allocations WHERE op = 'inventory' AND free_id IS NOT NULL")
+            > 1000
+    );
     let phantoms: BTreeSet<u64> = traced
         .keys()
         .filter(|p| !heap.contains_key(p))
