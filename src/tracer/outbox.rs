@@ -238,22 +238,6 @@ mod tests {
     use crate::event::Op;
     use crate::queue;
 
-    fn event(id: u64) -> Event {
-        Event {
-            id,
-            ts_ns: id,
-            pid: 1,
-            tid: 1,
-            op: Op::Malloc,
-            ptr: 0x1000 + 16 * id,
-            size: Some(16),
-            old_ptr: None,
-            align: None,
-            alloc_id: None,
-            stack_id: None,
-        }
-    }
-
     /// While the pipeline's queue is full the tracer offers the batch after
     /// every call it reads (rings.rs): the calls must still travel in
     /// batches of about `BATCH`, not in messages of one call each, and
@@ -267,7 +251,7 @@ mod tests {
         let calls = 3 * BATCH as u64;
         for id in 0..calls {
             out.push_frames(
-                event(id),
+                Event::test(id, id, 1, Op::Malloc, 0x1000 + 16 * id, Some(16), None),
                 &[0x401000, 0x402000],
                 WalkEnd::Outermost,
                 false,
