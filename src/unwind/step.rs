@@ -85,6 +85,41 @@ pub fn step(rule: u32, frame: Frame, stack_end: u64, read: impl Fn(u64) -> Optio
     }
 }
 
+/// How a walk ended, as the probe's record says it (its flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// The outermost frame: the stack is whole.
+    Outermost,
+    /// A step could not be taken: the stack is truncated.
+    Truncated,
+    /// `max` frames were taken (`--max-depth`).
+    Full,
+}
+
+/// A walk from `frame` as the probe's: each frame's address taken, then a
+/// step by the rule `rule_of` gives for it, until `max` addresses are taken
+/// (at least one) or a step ends the walk.
+pub fn walk(
+    mut frame: Frame,
+    max: usize,
+    stack_end: u64,
+    rule_of: impl Fn(u64) -> u32,
+    read: impl Fn(u64) -> Option<u64>,
+) -> (Vec<u64>, End) {
+    let mut ips = Vec::new();
+    loop {
+        ips.push(frame.ip);
+        if ips.len() >= max {
+            return (ips, End::Full);
+        }
+        match step(rule_of(frame.ip), frame, stack_end, &read) {
+            Step::Caller(caller) => frame = caller,
+            Step::Outermost => return (ips, End::Outermost),
+            Step::Truncated => return (ips, End::Truncated),
+        }
+    }
+}
+
 /// A return address into the signal-return trampoline: the next frame is
 /// the interrupted code's, from the context the kernel saved at the CFA.
 fn signal_step(frame: Frame, stack_end: u64, read: &impl Fn(u64) -> Option<u64>) -> Step {
@@ -111,6 +146,19 @@ fn signal_step(frame: Frame, stack_end: u64, read: &impl Fn(u64) -> Option<u64>)
     })
 }
 
+/// The images whose every row the tests walk: this machine's libc and the
+/// test binary.
+#[cfg(test)]
+pub(crate) fn real_images() -> [String; 2] {
+    [
+        "/lib/x86_64-linux-gnu/libc.so.6".to_string(),
+        std::env::current_exe()
+            .expect("the test binary")
+            .to_string_lossy()
+            .into_owned(),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -130,17 +178,20 @@ mod tests {
     const BP: u64 = SP + 0x200;
     const LEN: u64 = 0x1_0000;
 
+    /// A frame on the synthetic stack.
+    const FRAME: Frame = Frame {
+        ip: 0x401234,
+        cfa: SP,
+        bp: BP,
+    };
+
     fn word(at: u64) -> Option<u64> {
         (SP..SP + LEN).contains(&at).then_some(PATTERN + at)
     }
 
     #[test]
     fn steps_by_each_kind_of_rule() {
-        let frame = Frame {
-            ip: 0x401234,
-            cfa: SP,
-            bp: BP,
-        };
+        let frame = FRAME;
         let end = SP + LEN;
         // CFA = rsp + 24, rbp kept.
         let caller = step(24, frame, end, word);
@@ -198,12 +249,35 @@ mod tests {
     }
 
     #[test]
-    fn a_signal_frame_leads_to_the_interrupted_code() {
-        let frame = Frame {
-            ip: 0x401234,
-            cfa: SP,
-            bp: BP,
+    fn a_walk_ends_full_whole_or_truncated() {
+        let frame = FRAME;
+        let end = SP + LEN;
+        // CFA = rsp + 24 each time: return addresses at CFA - 8.
+        let (ips, how) = walk(frame, 3, end, |_| 24, word);
+        assert_eq!(ips, [0x401234, PATTERN + SP + 16, PATTERN + SP + 40]);
+        assert_eq!(how, End::Full);
+        assert_eq!(
+            walk(frame, 3, end, |_| rule::END, word),
+            (vec![0x401234], End::Outermost)
+        );
+        let once = |ip: u64| {
+            if ip == frame.ip {
+                24
+            } else {
+                rule::UNSUPPORTED
+            }
         };
+        assert_eq!(
+            walk(frame, 3, end, once, word),
+            (vec![0x401234, PATTERN + SP + 16], End::Truncated)
+        );
+        // At least the first frame, whatever the limit.
+        assert_eq!(walk(frame, 0, end, |_| 24, word).0, [0x401234]);
+    }
+
+    #[test]
+    fn a_signal_frame_leads_to_the_interrupted_code() {
+        let frame = FRAME;
         let (rip, rsp, rbp) = (0x40_5000, SP + 0x800, SP + 0x900);
         let read = |at: u64| match at - SP {
             signal::RIP => Some(rip),
@@ -312,13 +386,7 @@ mod tests {
 
     #[test]
     fn the_rules_of_real_images_step_as_framehop_does() {
-        for path in [
-            "/lib/x86_64-linux-gnu/libc.so.6".to_string(),
-            std::env::current_exe()
-                .unwrap()
-                .to_string_lossy()
-                .into_owned(),
-        ] {
+        for path in real_images() {
             let (rows, same) = cross_check(&path);
             eprintln!("{path}: {same} of {rows} CFA rows walked alike by the rule and framehop");
             assert!(rows > 1000, "{path}: {rows} CFA rows");

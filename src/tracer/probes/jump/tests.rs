@@ -13,6 +13,7 @@ use crate::event::Op;
 use crate::os::local::{LocalMapping, thread_pointer};
 
 mod signal;
+mod walker;
 
 /// Offsets of the fake functions in the code mapping.
 const MALLOC: usize = 0x000;
@@ -134,7 +135,7 @@ impl Rig {
             control: self.control.addr(),
             displaced: plan.displaced.clone(),
             resume: plan.resume,
-            max_frames: 128,
+            max_frames: layout::MAX_FRAMES,
             fsgsbase: crate::os::procfs::fsgsbase(std::process::id() as i32),
         };
         let code = probe(&spec, at).unwrap();
@@ -149,7 +150,9 @@ impl Rig {
     fn call(&self, offset: usize, a: u64, b: u64, c: u64) -> u64 {
         // SAFETY: the fake functions and their probes follow the ABI and
         // touch only their arguments' arithmetic, the stack and the control
-        // area (see Rig::new).
+        // area (see Rig::new); walker.rs's SWITCH runs one on a stack of a
+        // live mapping of the test's and comes back to its own, its CAPTURE
+        // goes on in an `extern "C"` Rust function.
         unsafe { self.code.call(offset, a, b, c) }
     }
 
