@@ -9,7 +9,6 @@ use std::time::Instant;
 use iced_x86::code_asm::{rax, rbp, rbx, rdi, rdx, rsi, rsp};
 
 use super::{FREE, Rig};
-use crate::addr::LoadBias;
 use crate::event::Op;
 use crate::os::local::LocalMapping;
 use crate::symbols::elf::ElfImage;
@@ -88,13 +87,16 @@ impl Rig {
     /// Ready for a walk with the stack's end at `hi`: the ring empty, the
     /// thread's cache of rules stale.
     fn fresh(&self, hi: u64) {
-        for (field, value) in [
-            (slot::STACK_HI, hi),
-            (slot::HEAD, 0),
-            (slot::TAIL, 0),
-            (slot::CACHE_DIR, u64::MAX),
-        ] {
+        self.empty_ring();
+        for (field, value) in [(slot::STACK_HI, hi), (slot::CACHE_DIR, u64::MAX)] {
             self.control.write_u64(self.slot + field as usize, value);
+        }
+    }
+
+    /// The thread's ring read to its end and emptied.
+    fn empty_ring(&self) {
+        for field in [slot::HEAD, slot::TAIL] {
+            self.control.write_u64(self.slot + field as usize, 0);
         }
     }
 
@@ -371,7 +373,7 @@ fn the_probe_walks_this_threads_stack_as_the_rust_walker_does() {
         let Some(bias) = image.load_bias(m.start, m.offset) else {
             continue;
         };
-        let range = image.avma_range(LoadBias(bias.0));
+        let range = image.avma_range(bias);
         loaded.push((range.start, range.end, bias.0, tables::build(&image)));
     }
     loaded.sort_by_key(|l| l.0);
@@ -387,8 +389,18 @@ fn the_probe_walks_this_threads_stack_as_the_rust_walker_does() {
     rig.set_images(&images);
     let hi = rig.slot_word(slot::STACK_HI);
     rig.fresh(hi);
-    rig.call(CAPTURE, 0, 0, hi);
-    let probe = rig.walked();
+    // Twice: the second walk finds its rules in the thread's cache.
+    for walk in ["first", "from the cache"] {
+        rig.empty_ring();
+        rig.call(CAPTURE, 0, 0, hi);
+        let probe = rig.walked();
+        compare_stack(&images, hi, probe, walk);
+    }
+}
+
+/// What [`step::walk`] finds on the stack CAPTURE kept, with `images`'
+/// tables, is `probe`, the probe's walk of it.
+fn compare_stack(images: &[Image], hi: u64, probe: (Vec<u64>, End), walk: &str) {
     let (sp, bp, bytes) = CAPTURED
         .with(|c| c.borrow_mut().take())
         .expect("CAPTURE kept the stack");
@@ -406,15 +418,15 @@ fn the_probe_walks_this_threads_stack_as_the_rust_walker_does() {
         frame,
         layout::MAX_FRAMES as usize,
         hi,
-        |ip| rule_for(&images, ip),
+        |ip| rule_for(images, ip),
         read,
     );
     eprintln!(
-        "this thread's stack: {} frames, {:?}, through {} images",
+        "this thread's stack, {walk}: {} frames, {:?}, through {} images",
         ours.0.len(),
         ours.1,
         images.len()
     );
-    assert_eq!(ours, probe, "{paths:?}");
+    assert_eq!(ours, probe, "{walk}");
     assert!(ours.0.len() >= 5, "{ours:x?}");
 }
