@@ -240,14 +240,19 @@ const COMMIT_RECORDS: u64 = 32 * 1024;
 /// the batch being written included. Bounded by bytes, not batches (a
 /// batch is one record or tens of thousands), so a target that allocates
 /// faster than the disk writes is slowed down rather than memptrace
-/// growing without limit.
-const QUEUE_BYTES: u64 = 48 << 20;
+/// growing without limit. 32 MiB is about 250 000 events, a quarter of a
+/// second at a million calls a second: 16 MiB cost no CPU either, and the
+/// largest batch (`BACKLOG` calls of the outbox) stays well under it.
+const QUEUE_BYTES: u64 = 32 << 20;
 
-/// About the bytes a batch of records holds.
+/// About the bytes a batch of records holds: its vector's whole capacity,
+/// not only the records in it (a vector grown by doubling holds up to twice
+/// its length: weighed by length, the queue held about 96 MiB at its 48 MiB
+/// bound).
 #[allow(clippy::ptr_arg)] // the queue's items are `Vec`s
 fn weigh(batch: &Vec<Record>) -> u64 {
     let heap: usize = batch.iter().map(Record::heap_bytes).sum();
-    (batch.len() * size_of::<Record>() + heap) as u64
+    (batch.capacity() * size_of::<Record>() + heap) as u64
 }
 
 /// Called on the recorder's thread with every record before it is
@@ -419,5 +424,27 @@ fn survive(
             Ok(())
         }
         None => Err(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch weighs the memory its vector holds, spare room included: by
+    /// its length, the recorder's queue at its bound held up to twice it.
+    #[test]
+    fn a_batch_of_records_weighs_its_capacity() {
+        let mut batch = Vec::with_capacity(1000);
+        batch.push(Record::ModuleUnloaded { id: 1, ts_ns: 2 });
+        batch.push(Record::Thread(ThreadRecord {
+            tid: 2,
+            pid: 1,
+            name: "worker".into(),
+            start_ns: 0,
+            end_ns: None,
+        }));
+        let expected = 1000 * size_of::<Record>() + "worker".len();
+        assert_eq!(weigh(&batch), expected as u64);
     }
 }

@@ -73,6 +73,31 @@ struct Pipeline {
 }
 
 impl Pipeline {
+    fn new(
+        unwind_here: bool,
+        stacks: bool,
+        max_depth: usize,
+        names: Option<NameSender>,
+    ) -> Pipeline {
+        Pipeline {
+            unwind_here,
+            max_depth,
+            stacks,
+            processes: HashMap::new(),
+            modules_by_id: HashMap::new(),
+            interner: Interner::new(),
+            result: PipelineResult::default(),
+            out: Vec::new(),
+            ips: Vec::with_capacity(max_depth),
+            trust: Vec::with_capacity(max_depth),
+            known: Default::default(),
+            seen: StackCache::default(),
+            meta_written: Default::default(),
+            names,
+            named: 0,
+        }
+    }
+
     fn run(
         mut self,
         rx: Receiver<Vec<TraceMsg>>,
@@ -83,7 +108,7 @@ impl Pipeline {
             for msg in batch {
                 self.handle(msg);
             }
-            recorder.send(std::mem::take(&mut self.out))?;
+            recorder.send(self.take_out())?;
             if let Some(names) = &self.names {
                 let frames = self.interner.frames();
                 names.frames(&frames[self.named..]);
@@ -92,6 +117,17 @@ impl Pipeline {
         }
         self.result.stack_nodes = self.interner.node_count();
         Ok(self.result)
+    }
+
+    /// The records of a batch, for the recorder: in a vector no larger
+    /// than they are (the queue weighs it by its capacity), the next batch's
+    /// begun with room for as many (not grown again by doubling, each step
+    /// a copy into fresh pages).
+    fn take_out(&mut self) -> Vec<Record> {
+        let next = Vec::with_capacity(self.out.len());
+        let mut out = std::mem::replace(&mut self.out, next);
+        out.shrink_to_fit();
+        out
     }
 
     fn handle(&mut self, msg: TraceMsg) {
@@ -443,6 +479,54 @@ mod tests {
         assert_eq!(result.truncated_stacks, 2);
         assert_eq!(result.housekeeping_frees, 0);
         assert_eq!(result.stack_nodes, 1);
+    }
+
+    /// The records go to the recorder's queue in a vector no larger than
+    /// they are (the queue weighs its capacity), and the next batch starts
+    /// with room for as many.
+    #[test]
+    fn records_leave_in_a_vector_of_their_own_size() {
+        let mut pipeline = Pipeline::new(false, true, 64, None);
+        for id in 0..1000 {
+            pipeline.out.push(Record::Event(event(id)));
+        }
+        assert!(pipeline.out.capacity() > 1000, "grown by doubling");
+        let out = pipeline.take_out();
+        assert_eq!((out.len(), out.capacity()), (1000, 1000));
+        assert!(pipeline.out.is_empty());
+        assert!(pipeline.out.capacity() >= 1000);
+        // A smaller batch next: still no room sent beyond its records.
+        pipeline.out.push(Record::Event(event(1000)));
+        assert_eq!(pipeline.take_out().capacity(), 1);
+        let weight = handle::weigh(&vec![TraceMsg::Record(Record::Event(event(0)))]);
+        assert_eq!(weight, size_of::<TraceMsg>() as u64);
+    }
+
+    /// A batch from the tracer weighs the memory its vectors hold, spare
+    /// room included: by their lengths, a queue at its bound held up to
+    /// twice its bound.
+    #[test]
+    fn a_batch_of_calls_weighs_its_capacity() {
+        let mut calls = CallBatch {
+            calls: Vec::with_capacity(100),
+            frames: Vec::with_capacity(4096),
+        };
+        calls.frames.extend_from_slice(&[0x1000, 0x2000]);
+        calls.calls.push(BatchedCall {
+            event: event(1),
+            frames: 0..2,
+            end: WalkEnd::Outermost,
+            caller_only: false,
+            allocator_module: 0,
+            unmatched_release: false,
+        });
+        let mut batch = Vec::with_capacity(16);
+        batch.push(TraceMsg::Calls(Box::new(calls)));
+        let expected = 16 * size_of::<TraceMsg>()
+            + size_of::<CallBatch>()
+            + 100 * size_of::<BatchedCall>()
+            + 4096 * 8;
+        assert_eq!(weigh(&batch), expected as u64);
     }
 
     #[test]

@@ -1,10 +1,9 @@
 //! The tracer's end of the pipeline: the queue of batches, bounded by what
 //! they hold, and the thread behind it.
 
-use std::collections::HashMap;
 use std::thread::JoinHandle;
 
-use super::{Interner, Pipeline, PipelineResult, StackCache};
+use super::{Pipeline, PipelineResult};
 use crate::namer::NameSender;
 use crate::queue::{self, Sender, TrySendError};
 use crate::sink::{RecordSender, SinkError};
@@ -19,33 +18,37 @@ pub struct PipelineHandle {
 /// What the queue from the tracer holds at most, in bytes of messages (see
 /// [`weigh`]), the batch being unwound included: a batch is anything from
 /// one message to tens of thousands of calls, and a bound of 32 batches let
-/// about 1 GB of calls wait under `-f -- make -j2`.
-const QUEUE_BYTES: u64 = 48 << 20;
+/// about 1 GB of calls wait under `-f -- make -j2`. Like the recorder's
+/// queue, 32 MiB: what waits here and there is most of memptrace's heap
+/// while the target allocates faster than the trace is written.
+const QUEUE_BYTES: u64 = 32 << 20;
 
 /// About the bytes a batch holds: its messages and what they point to
-/// (stack copies, frames), not the images they share.
+/// (stack copies, frames), not the images they share. Vectors count by
+/// their capacity, the memory they hold, not by their length.
 #[allow(clippy::ptr_arg)] // the queue's items are `Vec`s
 pub fn weigh(batch: &Vec<TraceMsg>) -> u64 {
     let each = |msg: &TraceMsg| {
         let stack = |stack: &CallStack| match stack {
             CallStack::CallerOnly(_) => 0,
-            CallStack::Unwound { ips, .. } => ips.len() * 8,
-            CallStack::Sample(sample) => sample.bytes.len(),
+            CallStack::Unwound { ips, .. } => ips.capacity() * 8,
+            CallStack::Sample(sample) => sample.bytes.capacity(),
         };
-        let held = match msg {
+        match msg {
             TraceMsg::Call(call) => size_of::<RawCall>() + stack(&call.stack),
             TraceMsg::Map(map) => size_of::<RawMap>() + stack(&map.stack),
             TraceMsg::Calls(batch) => {
-                batch.calls.len() * size_of::<crate::trace_msg::BatchedCall>()
-                    + batch.frames.len() * 8
+                size_of::<crate::trace_msg::CallBatch>()
+                    + batch.calls.capacity() * size_of::<crate::trace_msg::BatchedCall>()
+                    + batch.frames.capacity() * 8
             }
-            TraceMsg::Trampolines { areas, .. } => areas.len() * 16,
+            TraceMsg::Trampolines { areas, .. } => areas.capacity() * 16,
             TraceMsg::Record(record) => record.heap_bytes(),
             _ => 0,
-        };
-        size_of::<TraceMsg>() + held
+        }
     };
-    batch.iter().map(each).sum::<usize>() as u64
+    let held: usize = batch.iter().map(each).sum();
+    (batch.capacity() * size_of::<TraceMsg>() + held) as u64
 }
 
 impl PipelineHandle {
@@ -59,23 +62,7 @@ impl PipelineHandle {
         names: Option<NameSender>,
     ) -> PipelineHandle {
         let (tx, rx) = queue::bounded(QUEUE_BYTES, weigh);
-        let pipeline = Pipeline {
-            unwind_here,
-            max_depth,
-            stacks,
-            processes: HashMap::new(),
-            modules_by_id: HashMap::new(),
-            interner: Interner::new(),
-            result: PipelineResult::default(),
-            out: Vec::new(),
-            ips: Vec::with_capacity(max_depth),
-            trust: Vec::with_capacity(max_depth),
-            known: Default::default(),
-            seen: StackCache::default(),
-            meta_written: Default::default(),
-            names,
-            named: 0,
-        };
+        let pipeline = Pipeline::new(unwind_here, stacks, max_depth, names);
         let thread = std::thread::Builder::new()
             .name("memptrace-unwind".into())
             .spawn(move || pipeline.run(rx, recorder))
