@@ -175,8 +175,8 @@ impl Tracer {
             for op in p.ops {
                 let key = format!("{image}:{op}");
                 match self.stats.probes.iter_mut().find(|(k, _)| *k == key) {
-                    None => self.stats.probes.push((key, p.how.clone())),
-                    Some((_, how)) if noted(how, &p.how) => {}
+                    None => self.stats.probes.push((key, p.how.to_string())),
+                    Some((_, how)) if noted(how, &p.how.to_string()) => {}
                     Some((_, how)) => *how = format!("{how}; in process {pid}: {}", p.how),
                 }
             }

@@ -190,6 +190,10 @@ fn aggregate_tables_equal_sql_over_the_events() {
         let leaked = "SELECT coalesce(alloc_stack_id, -1) || '', sum(size), count(*) FROM leaks
                       GROUP BY 1 ORDER BY 1";
         assert_eq!(rows(&t, last), rows(&t, leaked), "{name}");
+        // And `leaks_by_stack`, summed at the end, is `leaks` by stack.
+        let by_stack = "SELECT coalesce(stack_id, -1) || '', bytes, blocks FROM leaks_by_stack
+                        ORDER BY 1";
+        assert_eq!(rows(&t, by_stack), rows(&t, leaked), "{name}");
     }
     // phases.c's own truth: the peak.
     let t = full_with_aggregates("phases", &[]);
@@ -230,6 +234,11 @@ fn aggregate_trace_matches_the_full_trace() {
             "{view}"
         );
     }
+    // Leaks by stack are kept without a row per call.
+    let by_stack =
+        "SELECT coalesce(stack_id, -1) || '', bytes, blocks FROM leaks_by_stack ORDER BY 1";
+    assert!(!rows(&full, by_stack).is_empty());
+    assert_eq!(rows(&agg, by_stack), rows(&full, by_stack));
     assert!(agg.int("SELECT count(*) FROM agg_over_time") > 0);
     assert!(agg.int("SELECT count(*) FROM stacks") > 0);
     // The reports agree: every figure of the JSON report, but when the

@@ -91,9 +91,9 @@ pub struct ScaleFigures {
     pub real: Vec<real::RealRow>,
 }
 
-const LEAK_QUERY: &str = "SELECT count(*) AS blocks, sum(size) AS bytes, t.text \
-     FROM leaks l JOIN stack_text t ON t.stack_id = l.alloc_stack_id \
-     GROUP BY l.alloc_stack_id ORDER BY bytes DESC LIMIT 5;";
+const LEAK_QUERY: &str = "SELECT l.blocks, l.bytes, t.text \
+     FROM leaks_by_stack l JOIN stack_text t ON t.stack_id = l.stack_id \
+     ORDER BY l.bytes DESC LIMIT 5;";
 
 fn memptrace() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_memptrace"))

@@ -470,9 +470,18 @@ impl EventSink for SqliteSink {
         // allocation and the exec reached the sink in.
         conn.execute_batch(
             "DELETE FROM open_blocks WHERE alloc_id IN (SELECT alloc_id FROM exec_releases);
-             INSERT INTO trace_finished(open_blocks) SELECT count(*) FROM open_blocks;
-             COMMIT;",
+             INSERT INTO trace_finished(open_blocks) SELECT count(*) FROM open_blocks;",
         )?;
+        // The leaks by stack (`leaks_by_stack`) were summed with the
+        // aggregates; a trace without them sums `leaks`, now that the trace
+        // is finished `open_blocks` joined with the events.
+        if self.stopped_growing && !self.aggregate_only {
+            conn.execute_batch(
+                "INSERT INTO finished_leaks(stack_id, blocks, bytes)
+                 SELECT alloc_stack_id, count(*), sum(size) FROM leaks GROUP BY alloc_stack_id;",
+            )?;
+        }
+        conn.execute_batch("COMMIT")?;
         // Leave a plain rollback-journal database: no -wal/-shm beside it, and
         // it opens read-only (a copy, a read-only mount). If a reader still
         // has it open, SQLite keeps WAL mode; the data is complete either way

@@ -98,6 +98,14 @@ CREATE TABLE open_blocks(
 CREATE TABLE trace_finished(
     open_blocks INTEGER NOT NULL
 );
+-- The leaks by stack, written by the same clean finish (`leaks_by_stack`):
+-- asking what leaked, by stack, then reads a row per stack, not one per
+-- leaked block (2.5 M of them in a 100 M-call trace).
+CREATE TABLE finished_leaks(
+    stack_id INTEGER,
+    blocks INTEGER NOT NULL,
+    bytes INTEGER NOT NULL
+);
 -- The blocks live in a process when it exec'd: the exec released them with
 -- its old image (docs/schema.md, exec_releases). Not leaks.
 CREATE TABLE exec_releases(
@@ -327,6 +335,14 @@ UNION ALL
 SELECT {leak_columns}
 FROM event_log a
 WHERE a.id <= {unless_finished} AND {unreleased};
+
+CREATE VIEW leaks_by_stack(stack_id, blocks, bytes) AS
+SELECT stack_id, blocks, bytes FROM finished_leaks
+UNION ALL
+SELECT a.stack_id, count(*), sum(a.size)
+FROM event_log a
+WHERE a.id <= {unless_finished} AND {unreleased}
+GROUP BY a.stack_id;
 
 CREATE VIEW allocations AS
 SELECT {pair_columns}

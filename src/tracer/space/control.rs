@@ -15,7 +15,7 @@
 use std::io;
 
 use super::images::LoadedModule;
-use super::{Planted, Space, SpaceError};
+use super::{How, Int3Why, Planted, Space, SpaceError};
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
 use crate::os::seccomp as os_seccomp;
@@ -69,7 +69,7 @@ impl Space {
             planted.push(Planted {
                 module: module.path.clone(),
                 ops: ops.iter().map(|op| op.name()).collect(),
-                how: format!("int3: {why}"),
+                how: How::Int3(Some(Int3Why::FellBack(why.to_string()))),
             });
         }
         Ok(planted)
@@ -84,14 +84,14 @@ impl Space {
         tid: Tid,
         parent: &Control,
         signals: &mut Vec<i32>,
-    ) -> Result<(), String> {
-        probe_calls(tid).map_err(|e| e.to_string())?;
-        let name = self
-            .name_in_target(tid, signals)
-            .map_err(|e| e.to_string())?;
-        let via = self.via().ok_or("no syscall instruction")?;
+    ) -> Result<(), SpaceError> {
+        probe_calls(tid)?;
+        let name = self.name_in_target(tid, signals)?;
+        let via = self
+            .via()
+            .ok_or(SpaceError::NoSyscall("make the shared memory"))?;
         let mut control = Control::create(self.pid, tid, via, name, Some(parent.remote), signals)
-            .map_err(|e| crate::util::with_causes(&e))?;
+            .map_err(SpaceError::Control)?;
         control.copy_tables_from(parent);
         control.maps = parent.maps;
         self.install_control(control);
@@ -111,9 +111,9 @@ impl Space {
         self.mem.write_code(name, b"memptrace\0")?;
         let via = self
             .via()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+            .ok_or(SpaceError::NoSyscall("make the shared memory"))?;
         let control = Control::create(self.pid, tid, via, name, None, signals)
-            .map_err(|e| io::Error::other(crate::util::with_causes(&e)))?;
+            .map_err(SpaceError::Control)?;
         self.install_control(control);
         Ok(())
     }
@@ -135,7 +135,7 @@ impl Space {
         let at = self
             .areas
             .take_anywhere(16)
-            .ok_or_else(|| SpaceError::NoRoom("no room for a name".into()))?;
+            .ok_or(SpaceError::NoSlot("the shared memory's name"))?;
         self.mem.write_code(at, b"memptrace\0")?;
         Ok(at)
     }

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 
+use super::How;
 use super::fake::{AREA, AREA_LEN, BASE, FakeSpace, PID};
 use crate::memory::Memory;
 use crate::os::ptrace::zeroed_regs;
@@ -22,7 +23,7 @@ fn hooking_changes_one_byte_per_hook_and_nothing_else() {
     let mappings = fake.module.image.mappings.len();
     assert_eq!(hooks.len(), allocators + mappings);
     assert_eq!(changes.planted.len(), allocators);
-    assert!(changes.planted.iter().all(|p| p.how == "int3"));
+    assert!(changes.planted.iter().all(|p| p.how == How::Int3(None)));
     let changed = fake.changed_code();
     let at: HashSet<u64> = hooks.iter().map(|h| h.addr).collect();
     assert_eq!(changed.keys().copied().collect::<HashSet<_>>(), at);
@@ -191,7 +192,10 @@ fn hooking_without_an_area_or_a_syscall_fails_and_changes_no_byte() {
         .space
         .hook(PID, &module, &[], &mut changes)
         .unwrap_err();
-    assert!(err.to_string().contains("no syscall instruction"), "{err}");
+    assert!(
+        matches!(err, super::SpaceError::NoSyscall("map a page")),
+        "{err}"
+    );
     assert!(fake.changed_code().is_empty());
     assert_eq!(fake.space.hooks.iter().count(), 0);
 }
@@ -257,4 +261,37 @@ fn a_write_outside_the_mapped_memory_is_an_error() {
         .unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO));
     assert_eq!(fake.mem.bytes(AREA + AREA_LEN - 1, 1), vec![0]);
+}
+
+/// What `meta` says of each way a function was hooked: the text users read
+/// and tests match (`jump; in process N: int3: ...`).
+#[test]
+fn each_way_of_hooking_reads_as_meta_says_it() {
+    use super::{Int3Why, Unhooked};
+    use crate::tracer::probes::jump::plan::NoJump;
+    let cases = [
+        (How::Jump, "jump"),
+        (How::Int3(None), "int3"),
+        (
+            How::Int3(Some(Int3Why::Plan(NoJump::BranchInto(0x1007)))),
+            "int3: a branch at 0x1007 lands inside the bytes a jump would cover",
+        ),
+        (
+            How::Int3(Some(Int3Why::FellBack("seccomp".into()))),
+            "int3: seccomp",
+        ),
+        (How::Unhooked(Unhooked::DebugState), "none"),
+        (
+            How::Unhooked(Unhooked::EntryIsInt3),
+            "none: the entry is an int3 already",
+        ),
+        (
+            How::Unhooked(Unhooked::NeedsJump(NoJump::TooShort)),
+            "none: the function is shorter than a jump (an int3 would kill the process \
+             if memptrace died; its calls are not recorded)",
+        ),
+    ];
+    for (how, text) in cases {
+        assert_eq!(how.to_string(), text);
+    }
 }

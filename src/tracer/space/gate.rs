@@ -42,10 +42,10 @@ impl Space {
         let at = self.room_near(tid, module, maps, room, signals)?;
         let gate = liveness::gate(remote, &plan.displaced, plan.resume, at)?;
         if gate.bytes.len() as u64 > room {
-            return Err(SpaceError::NoRoom(format!(
-                "{}: the gate grew",
-                module.path
-            )));
+            return Err(SpaceError::Grew {
+                module: module.path.clone(),
+                what: "gate",
+            });
         }
         let mut orig = vec![0u8; plan::JUMP_LEN as usize];
         self.mem.read_exact(plan.at, &mut orig)?;

@@ -35,8 +35,9 @@ use std::ops::Range;
 use super::inject;
 use super::probes::int3;
 use super::probes::jump::code as probe_code;
-use super::probes::jump::control::Control;
+use super::probes::jump::control::{Control, ControlError};
 use super::probes::jump::layout;
+use super::probes::jump::plan::NoJump;
 use super::probes::{Hook, HookKind, Hooks};
 use super::target::{CodeMemory, Live, Target};
 use crate::os::procfs;
@@ -52,6 +53,20 @@ pub enum SpaceError {
     Io(#[from] io::Error),
     #[error("no room for a trampoline page within reach of {0}")]
     NoRoom(String),
+    /// Code made for a place came out longer than the room made for it
+    /// (branches encoded longer there than where it was measured).
+    #[error("{module}: the {what} came out longer than the room made for it")]
+    Grew { module: String, what: &'static str },
+    /// Injecting a system call needs a `syscall` instruction in the
+    /// process's code (the one memptrace plants is not there yet).
+    #[error("no system call instruction in the process's code to {0} with")]
+    NoSyscall(&'static str),
+    /// Every trampoline slot of the space's areas is taken.
+    #[error("no free trampoline slot for {0}")]
+    NoSlot(&'static str),
+    /// The memory shared with the jump probes could not be made.
+    #[error("{}", crate::util::with_causes(.0))]
+    Control(ControlError),
     #[error("{path}: {source}")]
     Relocate {
         path: String,
@@ -72,8 +87,62 @@ pub struct Planted {
     pub module: String,
     /// Its names.
     pub ops: Vec<&'static str>,
-    /// `jump`, or `int3` and why.
-    pub how: String,
+    pub how: How,
+}
+
+/// How a function was hooked. Its text (`jump`, `int3: why`, `none: why`)
+/// is what the trace's `meta` says of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum How {
+    /// A jump to its probe.
+    Jump,
+    /// An int3 on its entry: asked for (`--probes int3`: no reason), or
+    /// where a jump probe could not be used.
+    Int3(Option<Int3Why>),
+    /// Not hooked at all: its calls are not recorded.
+    Unhooked(Unhooked),
+}
+
+/// Why a jump probe's function has an int3.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Int3Why {
+    /// The bytes a jump would overwrite are not safe to take.
+    Plan(NoJump),
+    /// The space gave up jump probes, for this reason (a seccomp filter
+    /// refusing what they need, no memory shared with memptrace...).
+    FellBack(String),
+}
+
+/// Why a function was left without a hook.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unhooked {
+    /// The dynamic linker's debug hook, served otherwise.
+    DebugState,
+    /// Someone else's breakpoint is there: displacing it would change what
+    /// the program does.
+    EntryIsInt3,
+    /// A mapping function where a jump is not safe: an int3 would kill the
+    /// process if memptrace died (attach, see `tracer::failopen`).
+    NeedsJump(NoJump),
+}
+
+impl std::fmt::Display for How {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            How::Jump => write!(f, "jump"),
+            How::Int3(None) => write!(f, "int3"),
+            How::Int3(Some(Int3Why::Plan(why))) => write!(f, "int3: {why}"),
+            How::Int3(Some(Int3Why::FellBack(why))) => write!(f, "int3: {why}"),
+            How::Unhooked(Unhooked::DebugState) => write!(f, "none"),
+            How::Unhooked(Unhooked::EntryIsInt3) => {
+                write!(f, "none: the entry is an int3 already")
+            }
+            How::Unhooked(Unhooked::NeedsJump(why)) => write!(
+                f,
+                "none: {why} (an int3 would kill the process if memptrace died; its calls are not recorded)"
+            ),
+        }
+    }
 }
 
 /// What a refresh of the image list found.
@@ -378,9 +447,7 @@ impl Space {
     /// that holds the stub goes last, through a copy of the stub lent to page
     /// padding (see [`inject`]).
     pub fn unmap_areas_in(&self, tid: Tid) -> Result<Vec<i32>, SpaceError> {
-        let via = self
-            .via()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction to unmap with".into()))?;
+        let via = self.via().ok_or(SpaceError::NoSyscall("unmap"))?;
         let mut signals = Vec::new();
         let control = self
             .control()

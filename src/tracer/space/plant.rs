@@ -12,7 +12,7 @@ use super::areas::{self, AREA_SIZE, JUMP_AREA_SIZE};
 use super::buffers::{self, BUFFER_STRIDE, BUFFERS, StackBuffers};
 use super::images::LoadedModule;
 use super::probing::{NextJump, ProbeInfo};
-use super::{Changes, Planted, Space, SpaceError};
+use super::{Changes, How, Int3Why, Planted, Space, SpaceError, Unhooked};
 use crate::addr::Svma;
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
@@ -87,10 +87,11 @@ impl Space {
                     });
                 }
                 (HookKind::Allocator { module_id, ops }, None) => {
-                    let how = match self.probing.fallback() {
-                        Some(why) => format!("int3: {why}"),
-                        None => "int3".into(),
-                    };
+                    let why = self
+                        .probing
+                        .fallback()
+                        .map(|why| Int3Why::FellBack(why.into()));
+                    let how = How::Int3(why);
                     changes.planted.push(Planted {
                         module: module.path.clone(),
                         ops: ops.iter().map(|op| op.name()).collect(),
@@ -124,26 +125,22 @@ impl Space {
         kind: HookKind,
         next: NextJump,
         signals: &mut Vec<i32>,
-    ) -> Result<String, SpaceError> {
+    ) -> Result<How, SpaceError> {
         let (what, ops, map) = match &kind {
             HookKind::Allocator { ops, .. } => (Called::Alloc(ops[0]), ops.clone(), None),
             HookKind::Mapping { op } => (Called::Map(*op), Vec::new(), Some(*op)),
-            HookKind::DebugState => return Ok("none".into()),
+            HookKind::DebugState => return Ok(How::Unhooked(Unhooked::DebugState)),
         };
         const SCAN: u64 = 512;
         let mut code = vec![0u8; SCAN.min(module.range.end.saturating_sub(addr)) as usize];
         let n = self.mem.read(addr, &mut code)?;
         code.truncate(n);
         if code.first() == Some(&INT3) {
-            // Someone else's breakpoint: displacing it would change what the
-            // program does.
-            return Ok("none: the entry is an int3 already".into());
+            return Ok(How::Unhooked(Unhooked::EntryIsInt3));
         }
         let plan = plan::plan(&code, addr);
-        if let (Some(_), Some(why)) = (map, &plan.int3) {
-            return Ok(format!(
-                "none: {why} (an int3 would kill the process if memptrace died; its calls are not recorded)"
-            ));
+        if let (Some(_), Some(why)) = (map, plan.int3) {
+            return Ok(How::Unhooked(Unhooked::NeedsJump(why)));
         }
         let spec = next.spec(what, &plan);
         // Its size, assembled near where it will go, with room for branches
@@ -153,10 +150,10 @@ impl Space {
         let at = self.room_near(tid, module, maps, room, signals)?;
         let probe = probe_code::probe(&spec, at)?;
         if probe.bytes.len() as u64 > room {
-            return Err(SpaceError::NoRoom(format!(
-                "{}: the probe grew",
-                module.path
-            )));
+            return Err(SpaceError::Grew {
+                module: module.path.clone(),
+                what: "probe",
+            });
         }
         let patch_len = if plan.is_jump() { plan::JUMP_LEN } else { 1 };
         let mut orig = vec![0u8; patch_len as usize];
@@ -180,8 +177,8 @@ impl Space {
             map,
         });
         Ok(match plan.int3 {
-            None => "jump".into(),
-            Some(why) => format!("int3: {why}"),
+            None => How::Jump,
+            Some(why) => How::Int3(Some(Int3Why::Plan(why))),
         })
     }
 
@@ -237,9 +234,7 @@ impl Space {
         if let Some(at) = self.areas.take(len, &module.range) {
             return Ok(at);
         }
-        let via = self.via().ok_or_else(|| {
-            SpaceError::NoRoom("no syscall instruction to map a page with".into())
-        })?;
+        let via = self.via().ok_or(SpaceError::NoSyscall("map a page"))?;
         let size = if self.probing.is_jump() {
             JUMP_AREA_SIZE
         } else {
@@ -298,10 +293,10 @@ impl Space {
         let routine = self
             .areas
             .take_anywhere(SLOT_SIZE)
-            .ok_or_else(|| SpaceError::NoRoom("no free trampoline slot".into()))?;
+            .ok_or(SpaceError::NoSlot("the stack-copy routine"))?;
         let via = self
             .via()
-            .ok_or_else(|| SpaceError::NoRoom("no syscall instruction".into()))?;
+            .ok_or(SpaceError::NoSyscall("map the stack buffers"))?;
         let name = self.name_in_target(tid, signals)?;
         let len = BUFFERS as u64 * BUFFER_STRIDE;
         let (remote, map) = inject::shared_memory(self.pid, tid, via, name, len, None, signals)

@@ -268,6 +268,16 @@ fn leak_ids(conn: &Connection) -> Vec<i64> {
     ids
 }
 
+/// `leaks_by_stack`: stack -> (blocks, bytes).
+fn leaks_by_stack(conn: &Connection) -> BTreeMap<Option<i64>, (i64, i64)> {
+    conn.prepare("SELECT stack_id, blocks, bytes FROM leaks_by_stack")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
 /// Thousands of calls from several threads, ids `first..` with gaps (as when
 /// the pipeline drops allocator housekeeping), checked against a model of
 /// the heap kept in the test: every view must agree with it, row for row,
@@ -325,6 +335,7 @@ fn check_against_model(name: &str, first: u64) {
     }
     sink.commit().unwrap();
     let unfinished = leak_ids(&read(&dir.db()));
+    let unfinished_by_stack = leaks_by_stack(&read(&dir.db()));
     sink.finish().unwrap();
     let conn = read(&dir.db());
     assert_eq!(query_i64(&conn, "SELECT count(*) FROM events"), 5000);
@@ -384,6 +395,17 @@ fn check_against_model(name: &str, first: u64) {
     leaked.sort_unstable();
     assert_eq!(leak_ids(&conn), leaked);
     assert_eq!(unfinished, leaked);
+    // By stack: the table `finish` wrote, and the search before it.
+    let mut by_stack: BTreeMap<Option<i64>, (i64, i64)> = BTreeMap::new();
+    let events_by_id: HashMap<u64, &Event> = expected_events.iter().map(|e| (e.id, e)).collect();
+    for id in live.values() {
+        let e = events_by_id[id];
+        let entry = by_stack.entry(e.stack_id.map(|s| s as i64)).or_default();
+        *entry = (entry.0 + 1, entry.1 + e.size.unwrap_or(0) as i64);
+    }
+    assert!(by_stack.len() > 10, "{} stacks leaked", by_stack.len());
+    assert_eq!(leaks_by_stack(&conn), by_stack);
+    assert_eq!(unfinished_by_stack, by_stack);
 
     // heap_over_time, row for row, and temporary: the same walk in the model.
     let mut sizes: HashMap<u64, u64> = HashMap::new(); // alloc id -> size

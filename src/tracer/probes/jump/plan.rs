@@ -36,7 +36,7 @@ pub struct Plan {
     /// Where the function goes on after them.
     pub resume: u64,
     /// `None`: a jump; `Some(why)`: an int3, because a jump is not safe.
-    pub int3: Option<String>,
+    pub int3: Option<NoJump>,
 }
 
 impl Plan {
@@ -54,7 +54,26 @@ pub fn plan(code: &[u8], addr: u64) -> Plan {
     }
 }
 
-fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
+/// Why a function gets an int3 rather than a jump: the five bytes a jump
+/// overwrites are not safe to take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NoJump {
+    #[error("the function is shorter than a jump")]
+    TooShort,
+    #[error("cannot decode the instruction at {0:#x}")]
+    Undecodable(u64),
+    #[error("the function leaves at {0:#x}, within the bytes a jump needs")]
+    LeavesEarly(u64),
+    #[error("{0:#x}: a trap in the first instructions")]
+    Trap(u64),
+    /// Its callee would return inside the jump.
+    #[error("{0:#x}: a call in the bytes a jump needs")]
+    Call(u64),
+    #[error("a branch at {0:#x} lands inside the bytes a jump would cover")]
+    BranchInto(u64),
+}
+
+fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, NoJump> {
     let skip = if code.starts_with(&ENDBR64) { 4 } else { 0 };
     let at = addr + skip as u64;
     let mut decoder = Decoder::with_ip(64, &code[skip..], at, DecoderOptions::NONE);
@@ -62,11 +81,11 @@ fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
     let mut len = 0u64;
     while len < JUMP_LEN {
         if !decoder.can_decode() {
-            return Err("the function is shorter than a jump".into());
+            return Err(NoJump::TooShort);
         }
         let insn = decoder.decode();
         if insn.is_invalid() {
-            return Err(format!("cannot decode the instruction at {:#x}", insn.ip()));
+            return Err(NoJump::Undecodable(insn.ip()));
         }
         len += insn.len() as u64;
         let ends = matches!(
@@ -75,30 +94,18 @@ fn jump_plan(code: &[u8], addr: u64) -> Result<Plan, String> {
         );
         displaced.push(insn);
         if ends && len < JUMP_LEN {
-            return Err(format!(
-                "the function leaves at {:#x}, within the bytes a jump needs",
-                insn.ip()
-            ));
+            return Err(NoJump::LeavesEarly(insn.ip()));
         }
         if matches!(insn.code(), Code::Int3 | Code::Int1 | Code::Ud2) {
-            return Err(format!(
-                "{:#x}: a trap in the first instructions",
-                insn.ip()
-            ));
+            return Err(NoJump::Trap(insn.ip()));
         }
         if insn.flow_control() == FlowControl::Call && len < JUMP_LEN {
-            // Its callee would return inside the jump.
-            return Err(format!(
-                "{:#x}: a call in the bytes a jump needs",
-                insn.ip()
-            ));
+            return Err(NoJump::Call(insn.ip()));
         }
     }
     let patched = at + 1..at + len;
     if let Some(from) = branch_into(code, addr, &patched) {
-        return Err(format!(
-            "a branch at {from:#x} lands inside the bytes a jump would cover"
-        ));
+        return Err(NoJump::BranchInto(from));
     }
     Ok(Plan {
         at,
@@ -147,7 +154,7 @@ pub fn over_padding(code: &[u8], addr: u64) -> Option<Plan> {
 
 /// An int3 on the first instruction (after `endbr64` too: the int3 takes
 /// one byte, and the thread is sent on from memptrace's stop).
-fn int3_plan(code: &[u8], addr: u64, why: String) -> Plan {
+fn int3_plan(code: &[u8], addr: u64, why: NoJump) -> Plan {
     let mut decoder = Decoder::with_ip(64, code, addr, DecoderOptions::NONE);
     let insn = decoder.decode();
     Plan {
@@ -219,11 +226,11 @@ mod tests {
         let code = [0x48, 0x85, 0xff, 0x74, 0x02, 0x90, 0x90, 0xeb, 0xfa, 0xc3];
         let plan = plan(&code, AT);
         assert!(!plan.is_jump());
-        assert!(plan.int3.as_ref().unwrap().contains("branch"));
+        assert_eq!(plan.int3, Some(NoJump::BranchInto(AT + 7)));
         assert_eq!((plan.at, plan.resume), (AT, AT + 3));
         // xor eax, eax; ret: too short.
         let plan = super::plan(&[0x31, 0xc0, 0xc3, 0xcc, 0xcc, 0xcc], AT);
-        assert!(plan.int3.unwrap().contains("leaves"));
+        assert_eq!(plan.int3, Some(NoJump::LeavesEarly(AT + 2)));
     }
 
     #[test]
