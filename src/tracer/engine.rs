@@ -65,7 +65,7 @@ impl Tracer {
             }
             if self.ticked() {
                 failure::panic_if_asked(self.book.ledger.events());
-                self.beat();
+                self.family.beat();
                 if let Some(clock) = self.book.tsc.as_mut() {
                     clock.refine(
                         self.book.clock.elapsed().as_nanos() as u64,
@@ -172,14 +172,16 @@ impl Tracer {
         }
         match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
-            Stopped::Trap if self.step_ended(tid) => self.resume(tid, 0),
+            Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
             Stopped::Trap => self.trap(tid),
             Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
             Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
                 Some(to) => self.recover_walk(tid, to),
                 None => self.resume(tid, sig),
             },
-            Stopped::Fault(sig) | Stopped::Signal(sig) => self.deliver(tid, sig),
+            Stopped::Fault(sig) | Stopped::Signal(sig) => {
+                Ok(self.family.deliver(&mut self.target, tid, sig)?)
+            }
             Stopped::Birth(event) => {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use super::Tracer;
 use super::probes::{HookKind, Probe};
+use super::process::Family;
 use crate::os::ptrace::{self, Tid};
 
 /// How long memptrace may go without a heartbeat before the probes of an
@@ -60,15 +61,6 @@ impl Tracer {
         let stack = self.stack_range(tid, pid, regs.rsp);
         if let Some(control) = self.family.space_of_mut(tid).and_then(|s| s.control_mut()) {
             control.register(tid, regs.fs_base, stack);
-        }
-    }
-
-    /// memptrace is here: a fresh heartbeat in every control area.
-    pub(super) fn beat(&self) {
-        for process in self.family.processes.values() {
-            if let Some(control) = process.space.as_ref().and_then(|s| s.control()) {
-                control.beat();
-            }
         }
     }
 
@@ -127,6 +119,17 @@ impl Tracer {
             "int3 probes at {}: memptrace's death (SIGKILL, OOM, a crash) would kill process {pid} with SIGTRAP",
             left.join(", ")
         ))
+    }
+}
+
+impl Family {
+    /// memptrace is here: a fresh heartbeat in every control area.
+    pub fn beat(&self) {
+        for process in self.processes.values() {
+            if let Some(control) = process.space.as_ref().and_then(|s| s.control()) {
+                control.beat();
+            }
+        }
     }
 }
 

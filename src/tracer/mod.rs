@@ -357,7 +357,7 @@ impl Tracer {
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
         // The heartbeat is fresh whenever a thread runs (after an attach
         // that kept every thread stopped for longer than a beat, too).
-        self.beat();
+        self.family.beat();
         Ok(ptrace::unless_gone(self.target.cont(tid, sig))?)
     }
 
