@@ -155,8 +155,10 @@ impl Tracer {
         let heap = self.copy_heap(pid, buffers);
         pause.lap("heap_copy");
         // Slots now: an int3 stop for one is fatal if memptrace dies in it.
+        let alive_ticks = self.alive_ticks();
         for &tid in resume.keys() {
-            self.register_early(tid);
+            self.family
+                .register_early(&mut self.target, tid, alive_ticks);
         }
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.

@@ -47,7 +47,7 @@ impl Tracer {
         for pid in pids {
             self.count_probes(pid);
         }
-        self.warn_let_through();
+        self.stats.warn_let_through();
         if self.book.out.awaiting_copies() {
             self.settle_finished();
         }

@@ -319,6 +319,19 @@ impl Tracer {
         }
     }
 
+    /// The age of a heartbeat at which the probes count memptrace as gone
+    /// (see [`failopen`]).
+    fn alive_ticks(&self) -> u64 {
+        failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
+    }
+
+    /// What memptrace's death would do to process `pid` now: `None` when it
+    /// runs on, else which int3s would kill it.
+    pub fn int3s_left(&self, pid: Tid) -> Option<String> {
+        let space = self.family.processes.get(&pid)?.space.as_ref()?;
+        space.int3s_left(pid)
+    }
+
     /// Jump probes catch the calls of this trace.
     fn jumps(&self) -> bool {
         self.book.tsc.is_some()
