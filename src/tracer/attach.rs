@@ -152,7 +152,7 @@ impl Tracer {
         pause.lap("hook");
         // Only the copy of the heap needs the program stopped: the walk of
         // the copy and the inventory come once it runs again.
-        let heap = self.copy_heap(pid, buffers);
+        let heap = self.heaps.copy_heap(&self.book, pid, buffers);
         pause.lap("heap_copy");
         // Slots now: an int3 stop for one is fatal if memptrace dies in it.
         let alive_ticks = self.alive_ticks();
@@ -188,7 +188,8 @@ impl Tracer {
         }
         pause.lap("resume");
         let pause = pause.finish();
-        self.take_inventory(heap, pause);
+        self.heaps
+            .take_inventory(&mut self.book, &mut self.stats, heap, pause);
         Ok(())
     }
 

@@ -207,7 +207,7 @@ impl Tracer {
     ) -> Option<(PendingCopy, u64, u64)> {
         // A free with a copy is booked at once (its stack follows): not
         // while calls are held back for the attach's inventory.
-        if self.unwinds_with_libunwind(pid) || self.walking() {
+        if self.unwinds_with_libunwind(pid) || self.heaps.walking() {
             return None;
         }
         let sp = regs.rsp;
@@ -414,7 +414,7 @@ impl Tracer {
             stack,
             module_id,
         };
-        if let Some(call) = self.hold_back(held) {
+        if let Some(call) = self.heaps.hold_back(held) {
             let msg = self
                 .book
                 .completed(call.op, &call.facts, call.stack, call.module_id);

@@ -189,7 +189,10 @@ impl Tracer {
             Stopped::Exec => self.exec(tid),
             Stopped::Exiting => {
                 self.release_slots(tid);
-                self.map_heap_at_exit(tid);
+                if self.family.is_traced(tid) {
+                    self.heaps
+                        .map_heap_at_exit(&mut self.book, &mut self.stats, tid);
+                }
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
                 if let Some(thread) = self.family.threads.get_mut(&tid) {
@@ -199,6 +202,17 @@ impl Tracer {
             }
             Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
             Stopped::Interrupt => self.resume(tid, 0),
+        }
+    }
+
+    /// The attach's heap walk, if one runs: book it once done (`wait`:
+    /// wait for it), then the calls held back meanwhile, in order.
+    pub(super) fn finish_inventory(&mut self, wait: bool) {
+        let held = self
+            .heaps
+            .finish_inventory(&mut self.book, &mut self.stats, wait);
+        for call in held {
+            self.complete(call.op, &call.facts, call.stack, call.module_id);
         }
     }
 

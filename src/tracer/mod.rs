@@ -223,8 +223,6 @@ struct Control {
     /// the first Ctrl-C ends the trace, since it cannot reach the program.
     attached: bool,
     deadline: Option<Instant>,
-    /// The attach's heap walked while the program runs (int3 probes).
-    walking: Option<heapmaps::Walking>,
 }
 
 pub struct Tracer {
@@ -233,8 +231,8 @@ pub struct Tracer {
     stops: Stops,
     /// Events made, stamped and sent down the pipeline (see [`booking`]).
     book: Booking,
-    /// What heap maps need of C libraries, read ahead by the namer.
-    heap_facts: heap::Facts,
+    /// The heap maps, and what they need of C libraries (see [`heapmaps`]).
+    heaps: heapmaps::HeapMaps,
     stats: TraceStats,
     control: Control,
     /// What the tracer changes threads and memory through (see [`target`]).
@@ -278,7 +276,7 @@ impl Tracer {
             family: Family::default(),
             stops: Stops::default(),
             book,
-            heap_facts,
+            heaps: heapmaps::HeapMaps::new(heap_facts),
             stats: TraceStats::default(),
             control: Control {
                 root,
@@ -287,7 +285,6 @@ impl Tracer {
                 held: HashMap::new(),
                 attached: false,
                 deadline,
-                walking: None,
             },
             target: Live,
         }
