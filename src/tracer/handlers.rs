@@ -240,37 +240,39 @@ mod tests {
         (family, target)
     }
 
+    /// A thread is stepped into a signal's handler only with a call
+    /// pending and a signal that does not stop it.
     #[test]
-    fn a_signal_without_a_call_pending_is_delivered_as_it_is() {
-        let (mut family, mut target) = one_thread(false, 0x8f00);
-        family.deliver(&mut target, 7, libc::SIGUSR1).unwrap();
-        assert_eq!(target.calls, [Call::Cont(7, libc::SIGUSR1)]);
-        assert!(!family.threads[&7].stepping);
+    fn only_a_call_pending_steps_a_thread_into_its_handler() {
+        let (usr1, tstp) = (libc::SIGUSR1, libc::SIGTSTP);
+        let cases = [
+            (false, usr1, Call::Cont(7, usr1), false),
+            (true, usr1, Call::Step(7, usr1), true),
+            (true, tstp, Call::Cont(7, tstp), false),
+        ];
+        for (pending, sig, asked, stepping) in cases {
+            let (mut family, mut target) = one_thread(pending, 0x8f00);
+            family.deliver(&mut target, 7, sig).unwrap();
+            assert_eq!(target.calls, [asked], "pending {pending}, signal {sig}");
+            assert_eq!(family.threads[&7].stepping, stepping);
+        }
     }
 
-    #[test]
-    fn a_signal_with_a_call_pending_steps_into_its_handler() {
-        let (mut family, mut target) = one_thread(true, 0x8f00);
+    /// The thread of [`one_thread`], with a call pending, sent SIGUSR1 and
+    /// stopped after its step at `rip`, `rsp` with `si_code`: the step
+    /// ended there.
+    fn stepped(rip: u64, rsp: u64, si_code: i32) -> Family {
+        let (mut family, mut target) = one_thread(true, rsp);
         family.deliver(&mut target, 7, libc::SIGUSR1).unwrap();
-        assert_eq!(target.calls, [Call::Step(7, libc::SIGUSR1)]);
-        assert!(family.threads[&7].stepping);
-    }
-
-    #[test]
-    fn a_stopping_signal_is_delivered_as_it_is_even_with_a_call_pending() {
-        let (mut family, mut target) = one_thread(true, 0x8f00);
-        family.deliver(&mut target, 7, libc::SIGTSTP).unwrap();
-        assert_eq!(target.calls, [Call::Cont(7, libc::SIGTSTP)]);
-        assert!(!family.threads[&7].stepping);
+        target.stopped_at(7, rip, rsp);
+        target.threads.get_mut(&7).unwrap().si_code = si_code;
+        assert!(family.step_ended(&mut target, 7));
+        family
     }
 
     #[test]
     fn a_step_that_reaches_a_handler_puts_the_pending_call_aside() {
-        let (mut family, mut target) = one_thread(true, 0x8000);
-        family.deliver(&mut target, 7, libc::SIGUSR1).unwrap();
-        target.stopped_at(7, 0x6000, 0x8000);
-        target.threads.get_mut(&7).unwrap().si_code = AT_HANDLER;
-        assert!(family.step_ended(&mut target, 7));
+        let family = stepped(0x6000, 0x8000, AT_HANDLER);
         let thread = &family.threads[&7];
         assert!(!thread.stepping && thread.in_call.is_none());
         let frame = &thread.handlers[..];
@@ -281,11 +283,7 @@ mod tests {
 
     #[test]
     fn a_step_without_a_handler_leaves_the_call_pending() {
-        let (mut family, mut target) = one_thread(true, 0x8f00);
-        family.deliver(&mut target, 7, libc::SIGUSR1).unwrap();
-        target.stopped_at(7, 0x5001, 0x8f00);
-        target.threads.get_mut(&7).unwrap().si_code = TRAP_TRACE;
-        assert!(family.step_ended(&mut target, 7));
+        let family = stepped(0x5001, 0x8f00, TRAP_TRACE);
         let thread = &family.threads[&7];
         assert!(thread.handlers.is_empty() && thread.in_call.is_some());
     }

@@ -432,6 +432,12 @@ mod tests {
             .collect()
     }
 
+    /// The one snapshot of a heap [`uncopied`] at attach.
+    fn not_mapped_at_attach() -> Vec<(u32, u64, String, Option<String>)> {
+        let why = Some("no glibc".to_string());
+        vec![(PID as u32, 77, "attach".to_string(), why)]
+    }
+
     #[test]
     fn without_a_walk_a_call_is_not_held_back() {
         let mut heaps = HeapMaps::new(heap::Facts::default());
@@ -462,15 +468,7 @@ mod tests {
             stats.pauses[0].after.map(|(what, _)| what),
             Some("inventory")
         );
-        assert_eq!(
-            snapshots(&mut book, &rx),
-            [(
-                PID as u32,
-                77,
-                "attach".to_string(),
-                Some("no glibc".to_string())
-            )]
-        );
+        assert_eq!(snapshots(&mut book, &rx), not_mapped_at_attach());
         assert_eq!(
             stats.heap_walk_errors, 0,
             "a heap not mapped is no walk error"
@@ -492,15 +490,7 @@ mod tests {
         assert_eq!(rets, [0x1000, 0x2000]);
         assert!(!heaps.walking());
         assert_eq!(stats.pauses.len(), 1);
-        assert_eq!(
-            snapshots(&mut book, &rx),
-            [(
-                PID as u32,
-                77,
-                "attach".to_string(),
-                Some("no glibc".to_string())
-            )]
-        );
+        assert_eq!(snapshots(&mut book, &rx), not_mapped_at_attach());
         // The walk is over: a call is booked by the caller again.
         assert!(heaps.hold_back(call(0x3000)).is_some());
     }
