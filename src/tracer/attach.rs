@@ -152,11 +152,13 @@ impl Tracer {
         pause.lap("hook");
         // Only the copy of the heap needs the program stopped: the walk of
         // the copy and the inventory come once it runs again.
-        let heap = self.copy_heap(pid, buffers);
+        let heap = self.heaps.copy_heap(&self.book, pid, buffers);
         pause.lap("heap_copy");
         // Slots now: an int3 stop for one is fatal if memptrace dies in it.
+        let alive_ticks = self.alive_ticks();
         for &tid in resume.keys() {
-            self.register_early(tid);
+            self.family
+                .register_early(&mut self.target, tid, alive_ticks);
         }
         // A thread that stopped inside the bytes a jump now covers goes on
         // in the probe's displaced copy of them.
@@ -186,7 +188,8 @@ impl Tracer {
         }
         pause.lap("resume");
         let pause = pause.finish();
-        self.take_inventory(heap, pause);
+        self.heaps
+            .take_inventory(&mut self.book, &mut self.stats, heap, pause);
         Ok(())
     }
 

@@ -165,3 +165,24 @@ impl Booking {
         );
     }
 }
+
+#[cfg(test)]
+impl Booking {
+    /// A booking for unit tests whose batches go to the queue returned
+    /// (`tsc`: jump probes catch the calls).
+    pub fn for_tests(tsc: Option<TscClock>) -> (Booking, crate::queue::Receiver<Vec<TraceMsg>>) {
+        let (tx, rx) = crate::queue::bounded(16, |_| 1);
+        let opts = TraceOptions {
+            probes: super::ProbeMode::Int3,
+            max_depth: 8,
+            unwinder: Default::default(),
+            stacks: false,
+            stack_every: 1,
+            follow_forks: false,
+            duration: None,
+        };
+        let out = Outbox::new(crate::unwind::pipeline::PipelineHandle::to_channel(tx));
+        let book = Booking::new(&opts, Instant::now(), tsc, out, Arc::default());
+        (book, rx)
+    }
+}

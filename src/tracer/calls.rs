@@ -31,7 +31,6 @@ use super::{TraceError, Tracer};
 use crate::event::{MapOp, Op};
 use crate::memory::Memory;
 use crate::os::mem::{self, ProcessMemory};
-use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
 use crate::trace_msg::{CallStack, StackSample};
 use crate::unwind::Unwinder;
@@ -208,12 +207,12 @@ impl Tracer {
     ) -> Option<(PendingCopy, u64, u64)> {
         // A free with a copy is booked at once (its stack follows): not
         // while calls are held back for the attach's inventory.
-        if self.unwinds_with_libunwind(pid) || self.walking() {
+        if self.unwinds_with_libunwind(pid) || self.heaps.walking() {
             return None;
         }
         let sp = regs.rsp;
         let len = if self.opts.stacks {
-            let top = self.stack_top(tid, pid, sp);
+            let top = self.family.stack_top(tid, pid, sp);
             top.saturating_sub(sp).min(STACK_COPY) & !7
         } else {
             8
@@ -415,7 +414,7 @@ impl Tracer {
             stack,
             module_id,
         };
-        if let Some(call) = self.hold_back(held) {
+        if let Some(call) = self.heaps.hold_back(held) {
             let msg = self
                 .book
                 .completed(call.op, &call.facts, call.stack, call.module_id);
@@ -464,7 +463,7 @@ impl Tracer {
             let end = libunwind.unwind(tid, &sample, &mut ips, self.opts.max_depth);
             return (ret, CallStack::Unwound { ips, end });
         }
-        let top = self.stack_top(tid, pid, sp);
+        let top = self.family.stack_top(tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
         let mut bytes = Vec::new();
         if mem::read_mapped_into(pid, sp, len, &mut bytes).is_err() {
@@ -479,27 +478,6 @@ impl Tracer {
         };
         let ret = sample.read_u64(sp).unwrap_or(0);
         (ret, CallStack::Sample(StackSample { ip: ret, ..sample }))
-    }
-
-    /// The end of the mapping holding a thread's stack, learnt once per thread
-    /// (and again if the thread moves to another stack).
-    pub(super) fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
-        let thread = self.family.threads.get_mut(&tid).expect("known thread");
-        if let Some(range) = &thread.stack {
-            if range.contains(&sp) {
-                return range.end;
-            }
-        }
-        let found = procfs::read_maps(pid)
-            .ok()
-            .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end));
-        match found {
-            Some(m) => {
-                thread.stack = Some(m.start..m.end);
-                m.end
-            }
-            None => sp + STACK_COPY,
-        }
     }
 
     /// True when process `pid`'s stacks are unwound by libunwind.

@@ -61,7 +61,9 @@ impl Tracer {
         match child {
             Child::Thread { pid } => {
                 self.add_thread(tid, pid);
-                self.register_early(tid);
+                let alive_ticks = self.alive_ticks();
+                self.family
+                    .register_early(&mut self.target, tid, alive_ticks);
                 // A thread born while its process stops (SIGSTOP, SIGTSTP)
                 // starts in that group-stop: it stays stopped with the rest.
                 self.resume_from(tid, first)

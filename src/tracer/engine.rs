@@ -47,7 +47,7 @@ impl Tracer {
         for pid in pids {
             self.count_probes(pid);
         }
-        self.warn_let_through();
+        self.stats.warn_let_through();
         if self.book.out.awaiting_copies() {
             self.settle_finished();
         }
@@ -65,7 +65,7 @@ impl Tracer {
             }
             if self.ticked() {
                 failure::panic_if_asked(self.book.ledger.events());
-                self.beat();
+                self.family.beat();
                 if let Some(clock) = self.book.tsc.as_mut() {
                     clock.refine(
                         self.book.clock.elapsed().as_nanos() as u64,
@@ -172,14 +172,16 @@ impl Tracer {
         }
         match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
-            Stopped::Trap if self.step_ended(tid) => self.resume(tid, 0),
+            Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
             Stopped::Trap => self.trap(tid),
             Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
             Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
                 Some(to) => self.recover_walk(tid, to),
                 None => self.resume(tid, sig),
             },
-            Stopped::Fault(sig) | Stopped::Signal(sig) => self.deliver(tid, sig),
+            Stopped::Fault(sig) | Stopped::Signal(sig) => {
+                Ok(self.family.deliver(&mut self.target, tid, sig)?)
+            }
             Stopped::Birth(event) => {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)
@@ -187,7 +189,10 @@ impl Tracer {
             Stopped::Exec => self.exec(tid),
             Stopped::Exiting => {
                 self.release_slots(tid);
-                self.map_heap_at_exit(tid);
+                if self.family.is_traced(tid) {
+                    self.heaps
+                        .map_heap_at_exit(&mut self.book, &mut self.stats, tid);
+                }
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));
                 if let Some(thread) = self.family.threads.get_mut(&tid) {
@@ -197,6 +202,17 @@ impl Tracer {
             }
             Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
             Stopped::Interrupt => self.resume(tid, 0),
+        }
+    }
+
+    /// The attach's heap walk, if one runs: book it once done (`wait`:
+    /// wait for it), then the calls held back meanwhile, in order.
+    pub(super) fn finish_inventory(&mut self, wait: bool) {
+        let held = self
+            .heaps
+            .finish_inventory(&mut self.book, &mut self.stats, wait);
+        for call in held {
+            self.complete(call.op, &call.facts, call.stack, call.module_id);
         }
     }
 

@@ -22,9 +22,13 @@
 
 use std::time::Duration;
 
-use super::Tracer;
+use super::TraceStats;
+use super::merge::TscClock;
 use super::probes::{HookKind, Probe};
-use crate::os::ptrace::{self, Tid};
+use super::process::Family;
+use super::space::Space;
+use super::target::Target;
+use crate::os::ptrace::Tid;
 
 /// How long memptrace may go without a heartbeat before the probes of an
 /// attached process count it as gone. Its wait loop beats every 100 ms
@@ -32,63 +36,35 @@ use crate::os::ptrace::{self, Tid};
 /// keep up) loses calls, counted in `let_through`.
 const ALIVE: Duration = Duration::from_secs(1);
 
-impl Tracer {
-    /// The age of a heartbeat, in counter ticks, at which the probes count
-    /// memptrace as gone: attach with jump probes only (0: never).
-    pub(super) fn alive_ticks(&self) -> u64 {
-        match (&self.book.tsc, self.control.attached) {
-            (Some(clock), true) => clock.ticks_in(ALIVE).max(1),
-            _ => 0,
-        }
+/// The age of a heartbeat, in counter ticks, at which the probes count
+/// memptrace as gone: attached (`attached`) with jump probes (a counter
+/// `tsc`) only; 0: never.
+pub(super) fn alive_ticks(tsc: Option<&TscClock>, attached: bool) -> u64 {
+    match (tsc, attached) {
+        (Some(clock), true) => clock.ticks_in(ALIVE).max(1),
+        _ => 0,
     }
+}
 
-    /// Give stopped thread `tid` a slot now, where it would otherwise trap
-    /// at its first call (attached with jump probes only): a thread
-    /// stopped at an int3 when memptrace dies gets the SIGTRAP, so the
-    /// probes of an attached process trap as seldom as they can. Threads
-    /// stopped by the attach, and each thread at its birth.
-    pub(super) fn register_early(&mut self, tid: Tid) {
-        if self.alive_ticks() == 0 {
-            return;
-        }
-        let (Some(pid), Ok(regs)) = (self.family.pid_of(tid), ptrace::get_regs(tid)) else {
-            return;
-        };
-        if !self.family.is_traced(pid) {
-            return;
-        }
-        let stack = self.stack_range(tid, pid, regs.rsp);
-        if let Some(control) = self.family.space_of_mut(tid).and_then(|s| s.control_mut()) {
-            control.register(tid, regs.fs_base, stack);
-        }
-    }
-
-    /// memptrace is here: a fresh heartbeat in every control area.
-    pub(super) fn beat(&self) {
-        for process in self.family.processes.values() {
-            if let Some(control) = process.space.as_ref().and_then(|s| s.control()) {
-                control.beat();
-            }
-        }
-    }
-
+impl TraceStats {
     /// Calls the probes let through while memptrace did not answer: a
     /// warning.
     pub(super) fn warn_let_through(&mut self) {
-        let n = self.stats.let_through;
+        let n = self.let_through;
         if n > 0 {
-            self.stats.warnings.push(format!(
+            self.warnings.push(format!(
                 "{n} calls were not recorded: memptrace did not answer the jump probes for over {} s and they let the calls through",
                 ALIVE.as_secs()
             ));
         }
     }
+}
 
-    /// What memptrace's death would do to process `pid` now: `None` when it
-    /// runs on, else which int3s would kill it.
+impl Space {
+    /// What memptrace's death would do to process `pid`, whose space this
+    /// is: `None` when it runs on, else which int3s would kill it.
     pub fn int3s_left(&self, pid: Tid) -> Option<String> {
-        let space = self.family.processes.get(&pid)?.space.as_ref()?;
-        let mut left: Vec<String> = space
+        let mut left: Vec<String> = self
             .hooks
             .iter()
             .filter(|h| {
@@ -105,7 +81,7 @@ impl Tracer {
                     HookKind::Mapping { op } => op.name().to_string(),
                     HookKind::DebugState => "_dl_debug_state".to_string(),
                 };
-                match space.module_at(h.addr) {
+                match self.module_at(h.addr) {
                     Some(m) => format!("{}:{what}", short(&m.path)),
                     None => what,
                 }
@@ -130,7 +106,85 @@ impl Tracer {
     }
 }
 
+impl Family {
+    /// Give stopped thread `tid` a slot now, where it would otherwise trap
+    /// at its first call (attached with jump probes only: `alive_ticks`
+    /// not 0): a thread stopped at an int3 when memptrace dies gets the
+    /// SIGTRAP, so the probes of an attached process trap as seldom as they
+    /// can. Threads stopped by the attach, and each thread at its birth.
+    pub fn register_early<T: Target>(&mut self, target: &mut T, tid: Tid, alive_ticks: u64) {
+        if alive_ticks == 0 {
+            return;
+        }
+        let (Some(pid), Ok(regs)) = (self.pid_of(tid), target.regs(tid)) else {
+            return;
+        };
+        if !self.is_traced(pid) {
+            return;
+        }
+        let stack = self.stack_range(tid, pid, regs.rsp);
+        if let Some(control) = self.space_of_mut(tid).and_then(|s| s.control_mut()) {
+            control.register(tid, regs.fs_base, stack);
+        }
+    }
+
+    /// memptrace is here: a fresh heartbeat in every control area.
+    pub fn beat(&self) {
+        for process in self.processes.values() {
+            if let Some(control) = process.space.as_ref().and_then(|s| s.control()) {
+                control.beat();
+            }
+        }
+    }
+}
+
 /// The file name of an image's path.
 fn short(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tracer::space::fake::{FakeSpace, PID};
+
+    #[test]
+    fn only_an_attach_with_jump_probes_fails_open() {
+        let clock = TscClock::calibrate(|| 0);
+        assert_eq!(alive_ticks(None, true), 0, "int3 probes");
+        assert_eq!(alive_ticks(Some(&clock), false), 0, "launched");
+        assert!(alive_ticks(Some(&clock), true) >= 1);
+    }
+
+    #[test]
+    fn calls_let_through_are_one_warning() {
+        let mut stats = TraceStats::default();
+        stats.warn_let_through();
+        assert!(stats.warnings.is_empty());
+        stats.let_through = 3;
+        stats.warn_let_through();
+        assert_eq!(stats.warnings.len(), 1);
+        assert!(stats.warnings[0].starts_with("3 calls were not recorded"));
+    }
+
+    #[test]
+    fn int3s_left_name_the_first_four_and_count_the_rest() {
+        let mut fake = FakeSpace::libc(true);
+        assert_eq!(fake.space.int3s_left(PID), None, "nothing planted");
+        fake.hook();
+        let left = fake.space.int3s_left(PID).expect("int3 probes in libc");
+        let (list, tail) = left.split_once(": ").expect("a list");
+        assert_eq!(
+            tail,
+            format!(
+                "memptrace's death (SIGKILL, OOM, a crash) would kill process {PID} with SIGTRAP"
+            )
+        );
+        let list = list.strip_prefix("int3 probes at ").expect("the prefix");
+        let names: Vec<&str> = list.split(", ").collect();
+        assert_eq!(names.len(), 5, "four names and how many more: {list}");
+        assert!(names[..4].iter().all(|n| n.starts_with("libc.so.6:")));
+        assert!(names[..4].windows(2).all(|w| w[0] < w[1]), "sorted");
+        assert!(names[4].ends_with(" more"));
+    }
 }

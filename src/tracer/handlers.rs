@@ -21,8 +21,11 @@
 //! stack pointer by the 128-byte red zone and the saved registers (over a
 //! kilobyte with the FPU state), deeper than the allocator's own calls go.
 
-use super::process::{PendingCall, Thread};
-use super::{TraceError, Tracer};
+use std::io;
+
+use super::process::{Family, PendingCall, Thread};
+use super::stop::is_stopping_signal;
+use super::target::Target;
 use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};
 
@@ -78,55 +81,59 @@ impl Thread {
     }
 }
 
-impl Tracer {
-    /// Let a thread go at its signal-delivery-stop with `sig`: stepped into
-    /// the handler when it has a call pending (see the module docs).
+impl Family {
+    /// Let thread `tid` go at its signal-delivery-stop with `sig`: stepped
+    /// into the handler when it has a call pending (see the module docs).
     /// Stopping signals are delivered as they are: a group-stop follows.
-    pub(super) fn deliver(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
-        let Some(thread) = self.family.threads.get_mut(&tid) else {
-            return self.resume(tid, sig);
-        };
-        if sig == 0 || thread.in_call.is_none() || super::stop::is_stopping_signal(sig) {
-            return self.resume(tid, sig);
+    /// A thread gone meanwhile is not an error (waitpid reports its end).
+    pub fn deliver<T: Target>(&mut self, target: &mut T, tid: Tid, sig: i32) -> io::Result<()> {
+        let thread = self
+            .threads
+            .get_mut(&tid)
+            .filter(|t| sig != 0 && t.in_call.is_some() && !is_stopping_signal(sig));
+        let steps = thread.is_some();
+        if let Some(thread) = thread {
+            thread.stepping = true;
         }
-        thread.stepping = true;
+        // The heartbeat is fresh whenever a thread runs.
         self.beat();
-        Ok(ptrace::unless_gone(ptrace::single_step(tid, sig))?)
+        if steps {
+            ptrace::unless_gone(target.step(tid, sig))
+        } else {
+            ptrace::unless_gone(target.cont(tid, sig))
+        }
     }
 
     /// At a SIGTRAP stop of `tid`: true when it ends the thread's step into
     /// a signal (and was dealt with: a handler's frame put on the thread),
     /// false when it is any other trap. The thread is left stopped.
-    pub(super) fn step_ended(&mut self, tid: Tid) -> bool {
-        let Some(thread) = self.family.threads.get_mut(&tid) else {
+    pub fn step_ended<T: Target>(&mut self, target: &mut T, tid: Tid) -> bool {
+        let Some(thread) = self.threads.get_mut(&tid) else {
             return false;
         };
         if !std::mem::take(&mut thread.stepping) {
             return false;
         }
-        let pid = thread.pid;
-        let code = ptrace::siginfo(tid).map_or(0, |info| info.si_code);
+        let code = target.si_code(tid).unwrap_or(0);
         if code == TRAP_TRACE {
             return true;
         }
         if code != AT_HANDLER {
             return false;
         }
-        let Ok(regs) = ptrace::get_regs(tid) else {
+        let Ok(regs) = target.regs(tid) else {
             return true; // gone: waitpid will say
         };
         let sp = regs.rsp;
         let lo = match &thread.stack {
             Some(stack) if stack.contains(&sp) => stack.start,
-            _ => procfs::read_maps(pid)
+            _ => procfs::read_maps(thread.pid)
                 .ok()
                 .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end))
                 .map_or(0, |m| m.start),
         };
-        if let Some(thread) = self.family.threads.get_mut(&tid) {
-            let call = thread.in_call.take();
-            thread.handlers.push(HandlerFrame { sp, lo, call });
-        }
+        let call = thread.in_call.take();
+        thread.handlers.push(HandlerFrame { sp, lo, call });
         true
     }
 }
@@ -136,6 +143,7 @@ mod tests {
     use super::*;
     use crate::event::Op;
     use crate::trace_msg::CallStack;
+    use crate::tracer::target::fake::{Call, FakeTarget};
 
     fn call(entry_sp: u64) -> PendingCall {
         PendingCall {
@@ -217,5 +225,78 @@ mod tests {
         let sps: Vec<u64> = t.take_calls().iter().map(|c| c.entry_sp).collect();
         assert_eq!(sps, [0x5f00, 0x7f00, 0x9000]);
         assert!(t.handlers.is_empty() && t.in_call.is_none());
+    }
+
+    /// A family of one thread (7 of process 7), stopped in the fake at
+    /// stack pointer `rsp` on the stack 0x1000..0xa000, `pending` a call.
+    fn one_thread(pending: bool, rsp: u64) -> (Family, FakeTarget) {
+        let mut family = Family::default();
+        let mut thread = Thread::new(7, 0);
+        thread.stack = Some(0x1000..0xa000);
+        thread.in_call = pending.then(|| call(0x9000));
+        family.threads.insert(7, thread);
+        let mut target = FakeTarget::new();
+        target.stopped_at(7, 0x5000, rsp);
+        (family, target)
+    }
+
+    /// A thread is stepped into a signal's handler only with a call
+    /// pending and a signal that does not stop it.
+    #[test]
+    fn only_a_call_pending_steps_a_thread_into_its_handler() {
+        let (usr1, tstp) = (libc::SIGUSR1, libc::SIGTSTP);
+        let cases = [
+            (false, usr1, Call::Cont(7, usr1), false),
+            (true, usr1, Call::Step(7, usr1), true),
+            (true, tstp, Call::Cont(7, tstp), false),
+        ];
+        for (pending, sig, asked, stepping) in cases {
+            let (mut family, mut target) = one_thread(pending, 0x8f00);
+            family.deliver(&mut target, 7, sig).unwrap();
+            assert_eq!(target.calls, [asked], "pending {pending}, signal {sig}");
+            assert_eq!(family.threads[&7].stepping, stepping);
+        }
+    }
+
+    /// The thread of [`one_thread`], with a call pending, sent SIGUSR1 and
+    /// stopped after its step at `rip`, `rsp` with `si_code`: the step
+    /// ended there.
+    fn stepped(rip: u64, rsp: u64, si_code: i32) -> Family {
+        let (mut family, mut target) = one_thread(true, rsp);
+        family.deliver(&mut target, 7, libc::SIGUSR1).unwrap();
+        target.stopped_at(7, rip, rsp);
+        target.threads.get_mut(&7).unwrap().si_code = si_code;
+        assert!(family.step_ended(&mut target, 7));
+        family
+    }
+
+    #[test]
+    fn a_step_that_reaches_a_handler_puts_the_pending_call_aside() {
+        let family = stepped(0x6000, 0x8000, AT_HANDLER);
+        let thread = &family.threads[&7];
+        assert!(!thread.stepping && thread.in_call.is_none());
+        let frame = &thread.handlers[..];
+        assert_eq!(frame.len(), 1);
+        assert_eq!((frame[0].sp, frame[0].lo), (0x8000, 0x1000));
+        assert_eq!(frame[0].call.as_ref().map(|c| c.entry_sp), Some(0x9000));
+    }
+
+    #[test]
+    fn a_step_without_a_handler_leaves_the_call_pending() {
+        let family = stepped(0x5001, 0x8f00, TRAP_TRACE);
+        let thread = &family.threads[&7];
+        assert!(thread.handlers.is_empty() && thread.in_call.is_some());
+    }
+
+    #[test]
+    fn a_trap_that_ends_no_step_is_not_the_step_s() {
+        let (mut family, mut target) = one_thread(true, 0x8f00);
+        target.threads.get_mut(&7).unwrap().si_code = AT_HANDLER;
+        assert!(!family.step_ended(&mut target, 7), "not stepping");
+        family.threads.get_mut(&7).unwrap().stepping = true;
+        target.threads.get_mut(&7).unwrap().si_code = 0x80; // SI_KERNEL: an int3
+        assert!(!family.step_ended(&mut target, 7));
+        assert!(!family.threads[&7].stepping, "the step is over either way");
+        assert!(family.threads[&7].handlers.is_empty());
     }
 }

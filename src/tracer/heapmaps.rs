@@ -22,9 +22,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use super::booking::Booking;
 use super::ledger::{CallFacts, Ledger};
 use super::pauses::Pause;
-use super::{TraceMsg, Tracer};
+use super::process::Family;
+use super::{TraceMsg, TraceStats};
 use crate::event::Op;
 use crate::heap::{self, HeapCopy, HeapMap};
 use crate::os::ptrace::Tid;
@@ -32,7 +34,7 @@ use crate::sink::{HeapSnapshot, Record};
 use crate::trace_msg::CallStack;
 
 /// The heap at attach, copied while the program waits, to be walked and
-/// sent on once it runs again ([`Tracer::take_inventory`]).
+/// sent on once it runs again ([`HeapMaps::take_inventory`]).
 pub(super) struct Inventory {
     pid: Tid,
     ts_ns: u64,
@@ -82,14 +84,30 @@ pub(super) struct HeldCall {
     pub module_id: u64,
 }
 
-impl Tracer {
+/// The heap maps of a trace: it owns what they need of C libraries (read
+/// ahead by the namer) and the attach's walk while it runs; it books what
+/// it maps through the trace's [`Booking`] and counts in its stats. Which
+/// processes are traced is the caller's to say.
+pub(super) struct HeapMaps {
+    facts: heap::Facts,
+    /// The attach's heap walked while the program runs (int3 probes).
+    walking: Option<Walking>,
+}
+
+impl HeapMaps {
+    pub fn new(facts: heap::Facts) -> HeapMaps {
+        HeapMaps {
+            facts,
+            walking: None,
+        }
+    }
+
     /// At attach, every thread of `pid` stopped and the hooks in place:
     /// the heap as it is at this instant, copied.
-    pub(super) fn copy_heap(&mut self, pid: Tid, buffers: heap::Buffers) -> Inventory {
-        let ts_ns = self.now_ns();
-        let copy = caught(|| {
-            heap::copy_process(pid, buffers, &self.heap_facts).map_err(|e| e.to_string())
-        });
+    pub fn copy_heap(&self, book: &Booking, pid: Tid, buffers: heap::Buffers) -> Inventory {
+        let ts_ns = book.now_ns();
+        let copy =
+            caught(|| heap::copy_process(pid, buffers, &self.facts).map_err(|e| e.to_string()));
         Inventory { pid, ts_ns, copy }
     }
 
@@ -101,25 +119,31 @@ impl Tracer {
     /// wait at its breakpoint for all of it (150-250 ms of a 200 k-block
     /// heap): the walk and the ledger's inventory are made by a thread of
     /// their own ([`Walking`]), and the calls completed meanwhile are held
-    /// back and booked after the inventory ([`Tracer::finish_inventory`]).
+    /// back and booked after the inventory ([`HeapMaps::finish_inventory`]).
     /// Either way none is booked before the inventory and none is lost or
     /// counted twice: the copy is of the instant before any was recorded.
-    pub(super) fn take_inventory(&mut self, inventory: Inventory, pause: Pause) {
+    pub fn take_inventory(
+        &mut self,
+        book: &mut Booking,
+        stats: &mut TraceStats,
+        inventory: Inventory,
+        pause: Pause,
+    ) {
         let started = Instant::now();
-        if self.jumps() {
-            let walked = walk_copy(inventory, std::mem::take(&mut self.book.ledger));
-            self.book_inventory(walked, pause, started);
+        if book.tsc.is_some() {
+            let walked = walk_copy(inventory, std::mem::take(&mut book.ledger));
+            book_inventory(book, stats, walked, pause, started);
             return;
         }
         let (pid, ts_ns) = (inventory.pid, inventory.ts_ns);
         // The ledger is empty at attach: the walk's thread fills it.
-        let ledger = std::mem::take(&mut self.book.ledger);
+        let ledger = std::mem::take(&mut book.ledger);
         let walk = std::thread::Builder::new()
             .name("memptrace-walk".into())
             .spawn(move || walk_copy(inventory, ledger));
         match walk {
             Ok(walk) => {
-                self.control.walking = Some(Walking {
+                self.walking = Some(Walking {
                     pid,
                     ts_ns,
                     walk,
@@ -130,21 +154,21 @@ impl Tracer {
             }
             Err(err) => {
                 let why = format!("no thread to walk the heap: {err}");
-                self.book_inventory(Walked::failed(pid, ts_ns, why), pause, started);
+                book_inventory(book, stats, Walked::failed(pid, ts_ns, why), pause, started);
             }
         }
     }
 
     /// The heap is being walked at attach (int3 probes): the calls
     /// completed until the inventory is booked wait in [`Walking`].
-    pub(super) fn walking(&self) -> bool {
-        self.control.walking.is_some()
+    pub fn walking(&self) -> bool {
+        self.walking.is_some()
     }
 
     /// Hold back a call completed while the heap is walked; `None` if none
     /// is (the caller books it).
-    pub(super) fn hold_back(&mut self, call: HeldCall) -> Option<HeldCall> {
-        match self.control.walking.as_mut() {
+    pub fn hold_back(&mut self, call: HeldCall) -> Option<HeldCall> {
+        match self.walking.as_mut() {
             Some(walking) => {
                 walking.calls.push(call);
                 None
@@ -154,18 +178,23 @@ impl Tracer {
     }
 
     /// The attach's heap walk, if one runs: book it once done (`wait`:
-    /// wait for it), then the calls held back meanwhile, in order.
-    pub(super) fn finish_inventory(&mut self, wait: bool) {
+    /// wait for it). Returns the calls held back meanwhile, in order, for
+    /// the caller to book now.
+    pub fn finish_inventory(
+        &mut self,
+        book: &mut Booking,
+        stats: &mut TraceStats,
+        wait: bool,
+    ) -> Vec<HeldCall> {
         let done = self
-            .control
             .walking
             .as_ref()
             .is_some_and(|w| wait || w.walk.is_finished());
         if !done {
-            return;
+            return Vec::new();
         }
-        let Some(walking) = self.control.walking.take() else {
-            return;
+        let Some(walking) = self.walking.take() else {
+            return Vec::new();
         };
         let Walking {
             pid,
@@ -180,49 +209,17 @@ impl Tracer {
         let walked = walk
             .join()
             .unwrap_or_else(|_| Walked::failed(pid, ts_ns, "the heap walk failed".into()));
-        self.book_inventory(walked, pause, started);
-        for call in calls {
-            self.complete(call.op, &call.facts, call.stack, call.module_id);
-        }
+        book_inventory(book, stats, walked, pause, started);
+        calls
     }
 
-    fn book_inventory(&mut self, walked: Walked, mut pause: Pause, started: Instant) {
-        let Walked {
-            pid,
-            ts_ns,
-            map,
-            ledger,
-            events,
-        } = walked;
-        self.book.ledger = ledger;
-        self.book
-            .progress
-            .update(self.book.ledger.events(), self.book.ledger.live_bytes());
-        // 150 000 events in one piece: pushed one by one, the batch grew
-        // by copies (and before, handing them over waited for the
-        // pipeline: a third of the attach's stop when it was in it).
-        self.book.out.append(events);
-        self.send_heap(pid, ts_ns, "attach", map);
-        pause.after = Some(("inventory", started.elapsed()));
-        self.stats.pauses.push(pause);
-    }
-
-    /// The main thread of a traced process is exiting: its heap as it was
-    /// left. Other threads may still be on their way out (and may have
+    /// The main thread of traced process `pid` is exiting: its heap as it
+    /// was left. Other threads may still be on their way out (and may have
     /// died inside the allocator), so arenas are read as in a live process.
-    pub(super) fn map_heap_at_exit(&mut self, tid: Tid) {
-        if self.family.is_traced(tid) {
-            let ts_ns = self.now_ns();
-            let map = read_heap(tid, &self.heap_facts);
-            self.send_heap(tid, ts_ns, "exit", map);
-        }
-    }
-
-    /// The traced processes, whose heaps are mapped once they are let go.
-    pub(super) fn heaps_to_map(&self) -> Vec<Tid> {
-        let mut pids: Vec<Tid> = self.family.traced().map(|(pid, _)| pid).collect();
-        pids.sort_unstable();
-        pids
+    pub fn map_heap_at_exit(&self, book: &mut Booking, stats: &mut TraceStats, pid: Tid) {
+        let ts_ns = book.now_ns();
+        let map = read_heap(pid, &self.facts);
+        send_heap(book, stats, pid, ts_ns, "exit", map);
     }
 
     /// Just after the detach, the processes `pids` running again. A
@@ -231,42 +228,89 @@ impl Tracer {
     /// half-changed (a thread between its lock and the read, or in a
     /// `free` whose trim shrank the heap before `system_mem`), so it is read
     /// again, twice at most, before the damage is believed.
-    pub(super) fn map_heaps_after_detach(&mut self, pids: Vec<Tid>) {
+    pub fn map_heaps_after_detach(
+        &self,
+        book: &mut Booking,
+        stats: &mut TraceStats,
+        pids: Vec<Tid>,
+    ) {
         for pid in pids {
-            let mut ts_ns = self.now_ns();
-            let mut map = read_heap(pid, &self.heap_facts);
+            let mut ts_ns = book.now_ns();
+            let mut map = read_heap(pid, &self.facts);
             for _ in 0..2 {
                 if !map.as_ref().is_ok_and(|m| damaged(m).is_some()) {
                     break;
                 }
-                ts_ns = self.now_ns();
-                map = read_heap(pid, &self.heap_facts);
+                ts_ns = book.now_ns();
+                map = read_heap(pid, &self.facts);
             }
-            self.send_heap(pid, ts_ns, "detach", map);
+            send_heap(book, stats, pid, ts_ns, "detach", map);
         }
     }
+}
 
-    fn send_heap(&mut self, pid: Tid, ts_ns: u64, moment: &str, map: Result<HeapMap, String>) {
-        if let Ok(map) = &map {
-            let errors = walk_errors(map);
-            self.stats.heap_walk_errors += errors;
-            if let Some(a) = damaged(map) {
-                self.stats.warnings.push(format!(
-                    "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \
-                     arena {:#x}, which no thread held, is damaged: {}",
-                    a.addr,
-                    a.error.as_deref().unwrap_or_default()
-                ));
-            }
-        }
-        let snapshot = HeapSnapshot {
-            ts_ns,
-            pid: pid as u32,
-            moment: moment.to_string(),
-            map,
-        };
-        self.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
+impl Family {
+    /// The traced processes, whose heaps are mapped once they are let go.
+    pub fn heaps_to_map(&self) -> Vec<Tid> {
+        let mut pids: Vec<Tid> = self.traced().map(|(pid, _)| pid).collect();
+        pids.sort_unstable();
+        pids
     }
+}
+
+fn book_inventory(
+    book: &mut Booking,
+    stats: &mut TraceStats,
+    walked: Walked,
+    mut pause: Pause,
+    started: Instant,
+) {
+    let Walked {
+        pid,
+        ts_ns,
+        map,
+        ledger,
+        events,
+    } = walked;
+    book.ledger = ledger;
+    book.progress
+        .update(book.ledger.events(), book.ledger.live_bytes());
+    // 150 000 events in one piece: pushed one by one, the batch grew
+    // by copies (and before, handing them over waited for the
+    // pipeline: a third of the attach's stop when it was in it).
+    book.out.append(events);
+    send_heap(book, stats, pid, ts_ns, "attach", map);
+    pause.after = Some(("inventory", started.elapsed()));
+    stats.pauses.push(pause);
+}
+
+fn send_heap(
+    book: &mut Booking,
+    stats: &mut TraceStats,
+    pid: Tid,
+    ts_ns: u64,
+    moment: &str,
+    map: Result<HeapMap, String>,
+) {
+    if let Ok(map) = &map {
+        let errors = walk_errors(map);
+        stats.heap_walk_errors += errors;
+        if let Some(a) = damaged(map) {
+            stats.warnings.push(format!(
+                "the heap map of process {pid} at {moment}: {errors} part(s) could not be read; \
+                 arena {:#x}, which no thread held, is damaged: {}",
+                a.addr,
+                a.error.as_deref().unwrap_or_default()
+            ));
+        }
+    }
+    let snapshot = HeapSnapshot {
+        ts_ns,
+        pid: pid as u32,
+        moment: moment.to_string(),
+        map,
+    };
+    book.send(TraceMsg::Record(Record::Heap(Box::new(snapshot))));
 }
 
 /// An arena of `map` that could not be read though no thread held it: its
@@ -328,4 +372,126 @@ fn caught<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
 fn walk_errors(map: &HeapMap) -> u64 {
     let arenas = map.arenas.iter().filter(|a| a.error.is_some()).count() as u64;
     arenas + u64::from(map.mmapped_error.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::tracer::merge::TscClock;
+
+    const PID: Tid = 4242;
+
+    fn pause() -> Pause {
+        Pause {
+            kind: "attach",
+            total: Duration::from_millis(3),
+            phases: Vec::new(),
+            after: None,
+        }
+    }
+
+    /// A heap that could not be copied at attach (`why`).
+    fn uncopied(why: &str) -> Inventory {
+        Inventory {
+            pid: PID,
+            ts_ns: 77,
+            copy: Err(why.to_string()),
+        }
+    }
+
+    fn call(ptr: u64) -> HeldCall {
+        HeldCall {
+            op: Op::Malloc,
+            facts: CallFacts {
+                pid: PID as u32,
+                tid: PID as u32,
+                ts_ns: 100,
+                args: [16, 0, 0],
+                ret: ptr,
+                stored_ptr: 0,
+            },
+            stack: CallStack::CallerOnly(0x401000),
+            module_id: 1,
+        }
+    }
+
+    /// The heap snapshots sent to the pipeline, as (pid, ts, moment, error).
+    fn snapshots(
+        book: &mut Booking,
+        rx: &crate::queue::Receiver<Vec<TraceMsg>>,
+    ) -> Vec<(u32, u64, String, Option<String>)> {
+        book.out.send_ready(true).expect("the queue is open");
+        let (msgs, _permit) = rx.recv().expect("a batch");
+        msgs.into_iter()
+            .filter_map(|msg| match msg {
+                TraceMsg::Record(Record::Heap(s)) => Some((s.pid, s.ts_ns, s.moment, s.map.err())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The one snapshot of a heap [`uncopied`] at attach.
+    fn not_mapped_at_attach() -> Vec<(u32, u64, String, Option<String>)> {
+        let why = Some("no glibc".to_string());
+        vec![(PID as u32, 77, "attach".to_string(), why)]
+    }
+
+    #[test]
+    fn without_a_walk_a_call_is_not_held_back() {
+        let mut heaps = HeapMaps::new(heap::Facts::default());
+        assert!(!heaps.walking());
+        let (mut book, _rx) = Booking::for_tests(None);
+        let mut stats = TraceStats::default();
+        assert!(
+            heaps
+                .finish_inventory(&mut book, &mut stats, true)
+                .is_empty()
+        );
+        assert_eq!(
+            heaps.hold_back(call(0x1000)).map(|c| c.facts.ret),
+            Some(0x1000)
+        );
+        assert!(stats.pauses.is_empty());
+    }
+
+    #[test]
+    fn with_jump_probes_the_inventory_is_booked_at_once() {
+        let mut heaps = HeapMaps::new(heap::Facts::default());
+        let (mut book, rx) = Booking::for_tests(Some(TscClock::calibrate(|| 0)));
+        let mut stats = TraceStats::default();
+        heaps.take_inventory(&mut book, &mut stats, uncopied("no glibc"), pause());
+        assert!(!heaps.walking(), "the calls wait in the rings instead");
+        assert_eq!(stats.pauses.len(), 1);
+        assert_eq!(
+            stats.pauses[0].after.map(|(what, _)| what),
+            Some("inventory")
+        );
+        assert_eq!(snapshots(&mut book, &rx), not_mapped_at_attach());
+        assert_eq!(
+            stats.heap_walk_errors, 0,
+            "a heap not mapped is no walk error"
+        );
+    }
+
+    #[test]
+    fn with_int3_probes_calls_wait_for_the_walk_and_come_back_in_order() {
+        let mut heaps = HeapMaps::new(heap::Facts::default());
+        let (mut book, rx) = Booking::for_tests(None);
+        let mut stats = TraceStats::default();
+        heaps.take_inventory(&mut book, &mut stats, uncopied("no glibc"), pause());
+        assert!(heaps.walking());
+        assert!(heaps.hold_back(call(0x1000)).is_none());
+        assert!(heaps.hold_back(call(0x2000)).is_none());
+        assert!(stats.pauses.is_empty(), "booked once the walk is done");
+        let held = heaps.finish_inventory(&mut book, &mut stats, true);
+        let rets: Vec<u64> = held.iter().map(|c| c.facts.ret).collect();
+        assert_eq!(rets, [0x1000, 0x2000]);
+        assert!(!heaps.walking());
+        assert_eq!(stats.pauses.len(), 1);
+        assert_eq!(snapshots(&mut book, &rx), not_mapped_at_attach());
+        // The walk is over: a call is booked by the caller again.
+        assert!(heaps.hold_back(call(0x3000)).is_some());
+    }
 }

@@ -27,7 +27,7 @@ impl Tracer {
         regs: Regs,
         entry: u64,
     ) -> Result<(), TraceError> {
-        let stack = self.stack_range(tid, pid, regs.rsp);
+        let stack = self.family.stack_range(tid, pid, regs.rsp);
         let shares = self
             .family
             .processes
@@ -78,7 +78,7 @@ impl Tracer {
         if let Some(thread) = self.family.threads.get_mut(&tid) {
             thread.stack = None;
         }
-        let stack = self.stack_range(tid, pid, regs.rsp);
+        let stack = self.family.stack_range(tid, pid, regs.rsp);
         if let Some(control) = self.family.space_of(tid).and_then(|s| s.control()) {
             control.set_stack(tid, stack);
         }
@@ -115,18 +115,6 @@ impl Tracer {
             ptrace::set_regs(tid, &regs)?;
         }
         Ok(())
-    }
-
-    /// The mapping holding a thread's stack (the probes read nothing else).
-    pub(super) fn stack_range(&mut self, tid: Tid, pid: Tid, sp: u64) -> std::ops::Range<u64> {
-        let end = self.stack_top(tid, pid, sp);
-        let start = self
-            .family
-            .threads
-            .get(&tid)
-            .and_then(|t| t.stack.clone())
-            .map_or(sp, |r| r.start);
-        start..end
     }
 
     fn note_no_slot(&mut self, tid: Tid) {

@@ -223,8 +223,6 @@ struct Control {
     /// the first Ctrl-C ends the trace, since it cannot reach the program.
     attached: bool,
     deadline: Option<Instant>,
-    /// The attach's heap walked while the program runs (int3 probes).
-    walking: Option<heapmaps::Walking>,
 }
 
 pub struct Tracer {
@@ -233,8 +231,8 @@ pub struct Tracer {
     stops: Stops,
     /// Events made, stamped and sent down the pipeline (see [`booking`]).
     book: Booking,
-    /// What heap maps need of C libraries, read ahead by the namer.
-    heap_facts: heap::Facts,
+    /// The heap maps, and what they need of C libraries (see [`heapmaps`]).
+    heaps: heapmaps::HeapMaps,
     stats: TraceStats,
     control: Control,
     /// What the tracer changes threads and memory through (see [`target`]).
@@ -278,7 +276,7 @@ impl Tracer {
             family: Family::default(),
             stops: Stops::default(),
             book,
-            heap_facts,
+            heaps: heapmaps::HeapMaps::new(heap_facts),
             stats: TraceStats::default(),
             control: Control {
                 root,
@@ -287,7 +285,6 @@ impl Tracer {
                 held: HashMap::new(),
                 attached: false,
                 deadline,
-                walking: None,
             },
             target: Live,
         }
@@ -317,6 +314,19 @@ impl Tracer {
                 buffers: self.copies_wanted(),
             }
         }
+    }
+
+    /// The age of a heartbeat at which the probes count memptrace as gone
+    /// (see [`failopen`]).
+    fn alive_ticks(&self) -> u64 {
+        failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
+    }
+
+    /// What memptrace's death would do to process `pid` now: `None` when it
+    /// runs on, else which int3s would kill it.
+    pub fn int3s_left(&self, pid: Tid) -> Option<String> {
+        let space = self.family.processes.get(&pid)?.space.as_ref()?;
+        space.int3s_left(pid)
     }
 
     /// Jump probes catch the calls of this trace.
@@ -357,7 +367,7 @@ impl Tracer {
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
         // The heartbeat is fresh whenever a thread runs (after an attach
         // that kept every thread stopped for longer than a beat, too).
-        self.beat();
+        self.family.beat();
         Ok(ptrace::unless_gone(self.target.cont(tid, sig))?)
     }
 

@@ -12,8 +12,10 @@ use super::callsite;
 use super::copies::PendingCopy;
 use super::handlers::HandlerFrame;
 use super::space::Space;
+use super::space::buffers::STACK_COPY;
 use crate::event::Op;
 use crate::os::mem::ProcessMemory;
+use crate::os::procfs;
 use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::CallStack;
 use crate::unwind::libunwind::LibunwindUnwinder;
@@ -169,6 +171,38 @@ pub struct Family {
 }
 
 impl Family {
+    /// The end of the mapping holding a thread's stack, learnt once per thread
+    /// (and again if the thread moves to another stack).
+    pub fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
+        let thread = self.threads.get_mut(&tid).expect("known thread");
+        if let Some(range) = &thread.stack {
+            if range.contains(&sp) {
+                return range.end;
+            }
+        }
+        let found = procfs::read_maps(pid)
+            .ok()
+            .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end));
+        match found {
+            Some(m) => {
+                thread.stack = Some(m.start..m.end);
+                m.end
+            }
+            None => sp + STACK_COPY,
+        }
+    }
+
+    /// The mapping holding a thread's stack (the probes read nothing else).
+    pub fn stack_range(&mut self, tid: Tid, pid: Tid, sp: u64) -> std::ops::Range<u64> {
+        let end = self.stack_top(tid, pid, sp);
+        let start = self
+            .threads
+            .get(&tid)
+            .and_then(|t| t.stack.clone())
+            .map_or(sp, |r| r.start);
+        start..end
+    }
+
     /// The process a thread belongs to.
     pub fn pid_of(&self, tid: Tid) -> Option<Tid> {
         Some(self.threads.get(&tid)?.pid)
@@ -340,5 +374,14 @@ mod tests {
         assert!(!family.is_empty());
         family.announced.clear();
         assert!(family.is_empty());
+    }
+
+    #[test]
+    fn a_known_stack_is_not_looked_up_again() {
+        let mut family = family();
+        // No process 2 in /proc is needed: the thread's stack is known.
+        family.threads.get_mut(&2).unwrap().stack = Some(0x1000..0xa000);
+        assert_eq!(family.stack_top(2, 2, 0x8000), 0xa000);
+        assert_eq!(family.stack_range(2, 2, 0x8000), 0x1000..0xa000);
     }
 }

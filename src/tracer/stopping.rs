@@ -49,7 +49,7 @@ impl Tracer {
             Stopped::Gone => self.thread_gone(tid, stop)?,
             // The end of a step into a signal handler: the thread is at
             // its first instruction, and is detached there.
-            Stopped::Trap if self.step_ended(tid) => {}
+            Stopped::Trap if self.family.step_ended(&mut self.target, tid) => {}
             Stopped::Trap if self.settle_trap(tid)? => {}
             Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
                 // A probe's stack walk faulted: the thread leaves the probe

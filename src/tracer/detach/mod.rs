@@ -197,7 +197,7 @@ impl Tracer {
             later.push((tid, pid));
         }
         lap("leave_probes");
-        let heaps = self.heaps_to_map();
+        let heaps = self.family.heaps_to_map();
         // Allocator calls, and mapping calls, entered through a stub.
         let mut pending: Vec<Pending> = Vec::new();
         for (&tid, t) in self.family.threads.iter_mut() {
@@ -352,7 +352,8 @@ impl Tracer {
         if let Some(pause) = pause {
             self.stats.pauses.push(pause.finish());
         }
-        self.map_heaps_after_detach(heaps);
+        self.heaps
+            .map_heaps_after_detach(&mut self.book, &mut self.stats, heaps);
         self.family.threads.clear();
         self.family.processes.clear();
         self.detach_later(later, deferred);

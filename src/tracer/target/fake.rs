@@ -92,17 +92,20 @@ impl CodeMemory for FakeMemory {
 pub enum Call {
     SetRegs(Tid),
     Cont(Tid, i32),
+    Step(Tid, i32),
     Listen(Tid),
     Interrupt(Tid),
     Detach(Tid, i32),
     WriteData(Tid, u64, Vec<u8>),
 }
 
-/// A fake thread: its registers, and whether it stands stopped.
+/// A fake thread: its registers, whether it stands stopped, and the
+/// `si_code` of the signal it is stopped with.
 #[derive(Clone, Copy, Debug)]
 pub struct FakeThread {
     pub regs: Regs,
     pub stopped: bool,
+    pub si_code: i32,
 }
 
 /// Threads and address spaces as buffers.
@@ -128,6 +131,7 @@ impl FakeTarget {
             FakeThread {
                 regs,
                 stopped: true,
+                si_code: 0,
             },
         );
     }
@@ -162,6 +166,16 @@ impl Target for FakeTarget {
         self.stopped(tid)?.stopped = false;
         self.calls.push(Call::Cont(tid, sig));
         Ok(())
+    }
+
+    fn step(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
+        self.stopped(tid)?.stopped = false;
+        self.calls.push(Call::Step(tid, sig));
+        Ok(())
+    }
+
+    fn si_code(&mut self, tid: Tid) -> io::Result<i32> {
+        Ok(self.stopped(tid)?.si_code)
     }
 
     fn listen(&mut self, tid: Tid) -> io::Result<()> {

@@ -48,6 +48,12 @@ pub trait Target {
     fn set_regs(&mut self, tid: Tid, regs: &Regs) -> io::Result<()>;
     /// Resume a stopped thread, delivering `sig` (0: none).
     fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()>;
+    /// Resume a stopped thread for one instruction, delivering `sig`
+    /// (PTRACE_SINGLESTEP): into the signal's handler, if it has one.
+    fn step(&mut self, tid: Tid, sig: i32) -> io::Result<()>;
+    /// The `si_code` of the signal a stopped thread is stopped with
+    /// (PTRACE_GETSIGINFO).
+    fn si_code(&mut self, tid: Tid) -> io::Result<i32>;
     /// Resume a thread from a group-stop, leaving it stopped (PTRACE_LISTEN).
     fn listen(&mut self, tid: Tid) -> io::Result<()>;
     /// Ask a running thread to stop (PTRACE_INTERRUPT).
@@ -75,6 +81,14 @@ impl Target for Live {
 
     fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
         ptrace::cont(tid, sig)
+    }
+
+    fn step(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
+        ptrace::single_step(tid, sig)
+    }
+
+    fn si_code(&mut self, tid: Tid) -> io::Result<i32> {
+        Ok(ptrace::siginfo(tid)?.si_code)
     }
 
     fn listen(&mut self, tid: Tid) -> io::Result<()> {
