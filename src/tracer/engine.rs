@@ -42,10 +42,11 @@ impl Tracer {
             let _ = self.detach_all();
         }
         self.settle_all(false);
-        self.drain_rings(true);
+        self.book
+            .drain_rings(&mut self.family, &mut self.stats, true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
         for pid in pids {
-            self.count_probes(pid);
+            self.stats.count_probes(&mut self.family, pid);
         }
         self.stats.warn_let_through();
         if self.book.out.awaiting_copies() {
@@ -108,7 +109,9 @@ impl Tracer {
         if let Some(found) = self.stops.ready() {
             return Ok(Some(found));
         }
-        let read = self.drain_rings(false);
+        let read = self
+            .book
+            .drain_rings(&mut self.family, &mut self.stats, false);
         if let Some(found) = self.stops.poll_once()? {
             return Ok(Some(found));
         }
@@ -188,7 +191,8 @@ impl Tracer {
             }
             Stopped::Exec => self.exec(tid),
             Stopped::Exiting => {
-                self.release_slots(tid);
+                self.book
+                    .release_slots(&mut self.family, &mut self.stats, tid);
                 if self.family.is_traced(tid) {
                     self.heaps
                         .map_heap_at_exit(&mut self.book, &mut self.stats, tid);

@@ -39,8 +39,9 @@ impl Tracer {
                 return Ok(ptrace::unless_gone(ptrace::detach(tid, 0))?);
             }
             Some(Role::Traced) => {
-                self.drain_process(pid, true);
-                self.count_probes(pid);
+                self.book
+                    .drain_process(&mut self.family, &mut self.stats, pid, true);
+                self.stats.count_probes(&mut self.family, pid);
                 self.forget_images(pid);
                 // The exec released the old image's blocks: not leaks.
                 let alloc_ids = self.book.ledger.forget_process(pid as u32);

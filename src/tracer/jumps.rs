@@ -170,7 +170,8 @@ impl Tracer {
         deliver: &mut HashMap<Tid, i32>,
         keep_pages: &mut HashSet<Tid>,
     ) -> Result<Vec<Tid>, TraceError> {
-        self.drain_rings(false);
+        self.book
+            .drain_rings(&mut self.family, &mut self.stats, false);
         let (inside, running) = self.run_out(deliver)?;
         for tid in inside.iter().chain(&running) {
             if let Some(owner) = self.family.owner_of(*tid) {
@@ -217,7 +218,8 @@ impl Tracer {
                 }
             }
         }
-        self.drain_rings(true);
+        self.book
+            .drain_rings(&mut self.family, &mut self.stats, true);
         Ok(running)
     }
 
@@ -333,7 +335,8 @@ impl Tracer {
         deadline: Instant,
     ) -> Result<Vec<Tid>, TraceError> {
         // A thread waiting for room in its ring needs it read.
-        self.drain_rings(false);
+        self.book
+            .drain_rings(&mut self.family, &mut self.stats, false);
         let mut waiting: HashSet<Tid> = HashSet::new();
         for &tid in tids {
             let sig = deliver.remove(&tid).unwrap_or(0);

@@ -415,8 +415,9 @@ impl Tracer {
         }
         // The leader's exit is reported last: the whole process is gone.
         self.warn_if_unhooked(tid);
-        self.drain_process(tid, true);
-        self.count_probes(tid);
+        self.book
+            .drain_process(&mut self.family, &mut self.stats, tid, true);
+        self.stats.count_probes(&mut self.family, tid);
         for t in self.family.threads_of(tid) {
             self.settle_copy(t, false);
             self.family.threads.remove(&t);

@@ -15,29 +15,41 @@
 
 use std::time::Instant;
 
-use super::Tracer;
+use super::TraceStats;
+use super::booking::Booking;
+use super::process::Family;
 use crate::os::ptrace::Tid;
 
-impl Tracer {
+impl Booking {
     /// Read the rings of every process and book what can be booked in order.
     /// `settle`: every thread stands outside the probes, or is gone, so a
     /// number not seen now never will be. Returns the records read.
-    pub(super) fn drain_rings(&mut self, settle: bool) -> usize {
-        let pids: Vec<Tid> = self
-            .family
+    pub(super) fn drain_rings(
+        &mut self,
+        family: &mut Family,
+        stats: &mut TraceStats,
+        settle: bool,
+    ) -> usize {
+        let pids: Vec<Tid> = family
             .processes
             .iter()
             .filter(|(_, p)| p.space.as_ref().is_some_and(|s| s.control().is_some()))
             .map(|(&pid, _)| pid)
             .collect();
         pids.into_iter()
-            .map(|pid| self.drain_process(pid, settle))
+            .map(|pid| self.drain_process(family, stats, pid, settle))
             .sum()
     }
 
-    /// [`Tracer::drain_rings`] for one process.
-    pub(super) fn drain_process(&mut self, pid: Tid, settle: bool) -> usize {
-        let Some(process) = self.family.processes.get_mut(&pid) else {
+    /// [`Booking::drain_rings`] for one process.
+    pub(super) fn drain_process(
+        &mut self,
+        family: &mut Family,
+        stats: &mut TraceStats,
+        pid: Tid,
+        settle: bool,
+    ) -> usize {
+        let Some(process) = family.processes.get_mut(&pid) else {
             return 0;
         };
         let Some((control, probes)) = process.space.as_mut().and_then(|s| s.recording_mut()) else {
@@ -45,29 +57,31 @@ impl Tracer {
         };
         let probe = |id: u16, what| probes.get(usize::from(id)).is_some_and(|p| p.records(what));
         let mut merged = process.merge.read(control, &probe, settle, Instant::now());
-        self.stats.skipped_records = self.stats.skipped_records.saturating_add(merged.skipped);
-        self.stats.damaged.add(&merged.damaged);
+        stats.skipped_records = stats.skipped_records.saturating_add(merged.skipped);
+        stats.damaged.add(&merged.damaged);
         // Every record read was committed before now.
         let now_ns = self.now_ns();
         for record in &merged.ready.records {
-            self.book.book_record(
-                &mut self.family,
-                &mut self.stats.damaged,
+            self.book_record(
+                family,
+                &mut stats.damaged,
                 pid,
                 record,
                 merged.ready.frames(record),
                 now_ns,
             );
             // One reading can bring thousands of calls (a ring holds 1 MiB):
-            // they go in batches of the usual size, so that what waits for
-            // the pipeline and the recorder stays bounded. (If the pipeline
-            // is gone, the wait loop's next flush says so.)
-            if self.book.out.full() {
-                let _ = self.flush();
+            // what is ready goes in batches of the usual size, so that what
+            // waits for the pipeline and the recorder stays bounded. (If the
+            // pipeline is gone, the wait loop's next flush says so; calls
+            // of int3 probes waiting for their stack copies are settled
+            // there too.)
+            if self.out.full() {
+                let _ = self.out.send_ready(false);
             }
         }
         merged.ready.clear();
-        if let Some(process) = self.family.processes.get_mut(&pid) {
+        if let Some(process) = family.processes.get_mut(&pid) {
             process.merge.give_back(merged.ready);
         }
         merged.read
@@ -75,13 +89,12 @@ impl Tracer {
 
     /// A thread is about to exit: what it recorded is read, and its slots
     /// go to the threads to come.
-    pub(super) fn release_slots(&mut self, tid: Tid) {
-        let Some(pid) = self.family.owner_of(tid) else {
+    pub(super) fn release_slots(&mut self, family: &mut Family, stats: &mut TraceStats, tid: Tid) {
+        let Some(pid) = family.owner_of(tid) else {
             return;
         };
-        self.drain_process(pid, false);
-        let control = self
-            .family
+        self.drain_process(family, stats, pid, false);
+        let control = family
             .processes
             .get_mut(&pid)
             .and_then(|p| p.space.as_mut())
@@ -92,31 +105,31 @@ impl Tracer {
             }
         }
     }
+}
 
+impl TraceStats {
     /// Add what the control area of process `pid` counted to the trace's
     /// counts (the process is going, or the trace ends): calls seen but not
     /// recorded (nested in a call), and calls left by a longjmp.
-    pub(super) fn count_probes(&mut self, pid: Tid) {
-        let control = self
-            .family
+    pub(super) fn count_probes(&mut self, family: &mut Family, pid: Tid) {
+        let control = family
             .processes
             .get_mut(&pid)
             .and_then(|p| p.space.as_mut()?.control_mut());
         if let Some(c) = control {
             let (nested, abandoned, waits) = c.live_counts();
             let damaged = std::mem::take(&mut c.damaged);
-            let stats = &mut self.stats;
-            stats.nested_calls = stats
+            self.nested_calls = self
                 .nested_calls
                 .saturating_add(c.nested.saturating_add(nested));
-            stats.lost_returns = stats
+            self.lost_returns = self
                 .lost_returns
                 .saturating_add(c.abandoned.saturating_add(abandoned));
-            stats.ring_waits = stats
+            self.ring_waits = self
                 .ring_waits
                 .saturating_add(c.waits.saturating_add(waits));
-            stats.damaged.add(&damaged);
-            stats.let_through = stats.let_through.saturating_add(c.let_through());
+            self.damaged.add(&damaged);
+            self.let_through = self.let_through.saturating_add(c.let_through());
         }
     }
 }
