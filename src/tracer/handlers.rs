@@ -23,10 +23,9 @@
 
 use std::io;
 
-use super::process::{Family, PendingCall, Thread};
+use super::process::{Family, PendingCall, Thread, mapping_at};
 use super::stop::is_stopping_signal;
 use super::target::Target;
-use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};
 
 /// si_code of the stop at a handler's first instruction after a step
@@ -127,10 +126,7 @@ impl Family {
         let sp = regs.rsp;
         let lo = match &thread.stack {
             Some(stack) if stack.contains(&sp) => stack.start,
-            _ => procfs::read_maps(thread.pid)
-                .ok()
-                .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end))
-                .map_or(0, |m| m.start),
+            _ => mapping_at(thread.pid, sp).map_or(0, |m| m.start),
         };
         let call = thread.in_call.take();
         thread.handlers.push(HandlerFrame { sp, lo, call });

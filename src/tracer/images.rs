@@ -173,12 +173,13 @@ impl Tracer {
     pub(super) fn note_planted(&mut self, pid: Tid, planted: Vec<Planted>) {
         for p in planted {
             let image = crate::util::file_name(&p.module).to_string();
+            let this = p.how.to_string();
             for op in p.ops {
                 let key = format!("{image}:{op}");
                 match self.stats.probes.iter_mut().find(|(k, _)| *k == key) {
-                    None => self.stats.probes.push((key, p.how.to_string())),
-                    Some((_, how)) if noted(how, &p.how.to_string()) => {}
-                    Some((_, how)) => *how = format!("{how}; in process {pid}: {}", p.how),
+                    None => self.stats.probes.push((key, this.clone())),
+                    Some((_, how)) if noted(how, &this) => {}
+                    Some((_, how)) => *how = format!("{how}; in process {pid}: {this}"),
                 }
             }
         }

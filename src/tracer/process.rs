@@ -180,13 +180,11 @@ impl Family {
                 return range.end;
             }
         }
-        let found = procfs::read_maps(pid)
-            .ok()
-            .and_then(|maps| maps.into_iter().find(|m| m.start <= sp && sp < m.end));
-        match found {
-            Some(m) => {
-                thread.stack = Some(m.start..m.end);
-                m.end
+        match mapping_at(pid, sp) {
+            Some(stack) => {
+                let end = stack.end;
+                thread.stack = Some(stack);
+                end
             }
             None => sp + STACK_COPY,
         }
@@ -308,6 +306,14 @@ impl Family {
         process.aliases.insert(ret, op);
         op
     }
+}
+
+/// The mapping of process `pid` that holds address `sp` (a thread's
+/// stack), read from /proc; `None` if none does or the file cannot be read.
+pub fn mapping_at(pid: Tid, sp: u64) -> Option<std::ops::Range<u64>> {
+    let maps = procfs::read_maps(pid).ok()?;
+    let m = maps.into_iter().find(|m| m.start <= sp && sp < m.end)?;
+    Some(m.start..m.end)
 }
 
 #[cfg(test)]
