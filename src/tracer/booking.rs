@@ -15,10 +15,13 @@ use super::merge::TscClock;
 use super::outbox::Outbox;
 use super::probes::jump::control::{Damaged, Record};
 use super::probes::jump::layout::{Called, record};
-use super::process::Family;
+use super::process::{Family, Thread};
+
 use crate::event::Op;
+use crate::os::procfs;
 use crate::os::ptrace::Tid;
 use crate::progress::Progress;
+use crate::sink::ThreadRecord;
 use crate::trace_msg::{CallStack, RawCall, TraceMsg, WalkEnd};
 
 pub struct Booking {
@@ -65,6 +68,28 @@ impl Booking {
 
     pub fn send(&mut self, msg: TraceMsg) {
         self.out.push(msg);
+    }
+
+    /// A new traced thread of process `pid`: known from now, and its row sent.
+    pub fn add_thread(&mut self, family: &mut Family, tid: Tid, pid: Tid) {
+        let start_ns = self.now_ns();
+        family.threads.insert(tid, Thread::new(pid, start_ns));
+        self.send_thread(family, tid, None);
+    }
+
+    /// Send thread `tid`'s row (its name read now), ended at `end_ns` if it has.
+    pub fn send_thread(&mut self, family: &Family, tid: Tid, end_ns: Option<u64>) {
+        let Some(thread) = family.threads.get(&tid) else {
+            return;
+        };
+        let record = ThreadRecord {
+            tid: tid as u32,
+            pid: thread.pid as u32,
+            name: procfs::thread_name(thread.pid, tid).unwrap_or_default(),
+            start_ns: thread.start_ns,
+            end_ns,
+        };
+        self.send(TraceMsg::Record(crate::sink::Record::Thread(record)));
     }
 
     /// Book a finished call: its message for the pipeline.

@@ -39,6 +39,7 @@ pub mod pauses;
 mod probes;
 mod process;
 mod rings;
+mod running;
 mod space;
 mod stop;
 mod stopping;
@@ -51,21 +52,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::heap;
-use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::ptrace::{Stop, Tid};
 use crate::os::{procfs, signals};
 use crate::progress::Progress;
-use crate::sink::{Record, SinkError, ThreadRecord};
+use crate::sink::SinkError;
 use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
 use merge::TscClock;
 use outbox::Outbox;
-use process::{Family, Process, Role, Thread};
+use process::{Family, Process, Role};
 use space::Catch;
-use stop::Stopped;
 use stops::Stops;
-use target::{Live, Target};
+use target::Live;
 
 pub use probes::int3::RelocateError;
 
@@ -343,50 +343,24 @@ impl Tracer {
     }
 
     fn add_thread(&mut self, tid: Tid, pid: Tid) {
-        let start_ns = self.now_ns();
-        self.family.threads.insert(tid, Thread::new(pid, start_ns));
-        self.send_thread(tid, None);
+        self.book.add_thread(&mut self.family, tid, pid);
     }
 
     fn send_thread(&mut self, tid: Tid, end_ns: Option<u64>) {
-        let Some(thread) = self.family.threads.get(&tid) else {
-            return;
-        };
-        let record = ThreadRecord {
-            tid: tid as u32,
-            pid: thread.pid as u32,
-            name: procfs::thread_name(thread.pid, tid).unwrap_or_default(),
-            start_ns: thread.start_ns,
-            end_ns,
-        };
-        self.send(TraceMsg::Record(Record::Thread(record)));
+        self.book.send_thread(&self.family, tid, end_ns);
     }
 
-    /// Resume a thread, delivering `sig`. A thread that vanished meanwhile
-    /// (killed) is not an error: its exit is reported by waitpid.
+    /// Resume a thread, delivering `sig` (see [`running`]).
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
-        // The heartbeat is fresh whenever a thread runs (after an attach
-        // that kept every thread stopped for longer than a beat, too).
-        self.family.beat();
-        Ok(ptrace::unless_gone(self.target.cont(tid, sig))?)
+        Ok(self.family.resume(&mut self.target, tid, sig)?)
     }
 
-    /// Resume a thread from its first stop: a group-stop is not ended (the
-    /// thread stays stopped, listening for SIGCONT, as it would untraced).
     fn resume_from(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        match Stopped::of(stop) {
-            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(self.target.listen(tid))?),
-            _ => self.resume(tid, 0),
-        }
+        Ok(self.family.resume_from(&mut self.target, tid, stop)?)
     }
 
-    /// Resume a thread delivering the first signal now and queueing the rest.
     fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
-        let pid = self.family.pid_of(tid).unwrap_or(tid);
-        for &sig in signals.iter().skip(1) {
-            let _ = ptrace::tgkill(pid, tid, sig);
-        }
-        self.resume(tid, signals.first().copied().unwrap_or(0))
+        Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
     }
 
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
