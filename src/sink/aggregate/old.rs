@@ -160,6 +160,8 @@ impl OldBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::RngCore;
+    use proptest::test_runner::{RngAlgorithm, TestRng};
 
     fn block(ptr: u64, size: u64, cell: u32, op: Op) -> Block {
         Block {
@@ -192,13 +194,8 @@ mod tests {
     fn behaves_as_a_map() {
         let mut old = OldBlocks::default();
         let mut model: std::collections::BTreeMap<u64, Block> = Default::default();
-        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
+        let mut next = || rng.next_u64();
         let mut id = 0;
         for step in 0..200_000u64 {
             let r = next();

@@ -132,6 +132,8 @@ impl LiveBlocks {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::RngCore;
+    use proptest::test_runner::{RngAlgorithm, TestRng};
     use std::collections::HashMap;
 
     use super::*;
@@ -143,13 +145,8 @@ mod tests {
     fn behaves_as_a_map() {
         let mut blocks = LiveBlocks::default();
         let mut model: HashMap<(u32, u64), (u64, u64)> = HashMap::new();
-        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut rng = TestRng::deterministic_rng(RngAlgorithm::ChaCha);
+        let mut next = || rng.next_u64();
         for id in 1..300_000u64 {
             let r = next();
             let pid = 1 + (r & 1) as u32;
