@@ -21,6 +21,12 @@ use super::{Arena, ChunkState, Glibc, TCACHE_BINS};
 /// of its bin's size; one with every list empty only when it is the first
 /// chunk of its arena, where tcache_init puts it.
 pub(super) fn tcaches(g: &Glibc, arenas: &mut [Arena], links: &[Links]) {
+    // (arena, chunk) in 8 bytes, not 16: the index holds every chunk. (At
+    // most 4096 arenas are walked; 2^32 chunks would be 128 GiB read.)
+    let fits = |n: usize| u32::try_from(n).is_ok();
+    if !fits(arenas.len()) || !arenas.iter().all(|a| fits(a.chunks.len())) {
+        return;
+    }
     let index = ChunkIndex::new(
         arenas
             .iter()
@@ -29,7 +35,7 @@ pub(super) fn tcaches(g: &Glibc, arenas: &mut [Arena], links: &[Links]) {
                 a.chunks
                     .iter()
                     .enumerate()
-                    .map(move |(ci, c)| (c.addr, (ai, ci)))
+                    .map(move |(ci, c)| (c.addr, (ai as u32, ci as u32)))
             })
             .collect(),
     );
@@ -79,7 +85,7 @@ fn tcache_lists(
     bytes: &[u8],
     count_bytes: u64,
     safe: bool,
-    index: &ChunkIndex<(usize, usize)>,
+    index: &ChunkIndex<(u32, u32)>,
     arenas: &[Arena],
     links: &[Links],
 ) -> Option<Vec<(usize, usize)>> {
@@ -95,6 +101,7 @@ fn tcache_lists(
                 return None;
             }
             let (ai, ci) = index.get(e - 16)?;
+            let (ai, ci) = (ai as usize, ci as usize);
             let c = arenas[ai].chunks[ci];
             if c.state != ChunkState::InUse
                 || c.size.checked_sub(MINSIZE).map(|s| s / 16) != Some(bin as u64)

@@ -38,8 +38,10 @@ pub(super) struct ChunkIndex<T>(Vec<(u64, T)>);
 
 impl<T: std::marker::Copy> ChunkIndex<T> {
     pub(super) fn new(mut pairs: Vec<(u64, T)>) -> ChunkIndex<T> {
-        // Already in address order within each heap: a few runs to merge.
-        pairs.sort_by_key(|&(addr, _)| addr);
+        // Addresses are distinct: the sort needs no stability, and so no
+        // buffer (a stable one took half the pairs again, 9 MB for the
+        // 770 000 chunks of a heap at exit).
+        pairs.sort_unstable_by_key(|&(addr, _)| addr);
         ChunkIndex(pairs)
     }
 

@@ -2,10 +2,11 @@
 //! each release with the allocation it ends, and keeps the live-heap total.
 //! Pure bookkeeping, in the order calls took effect.
 
-use rustc_hash::FxHashMap;
+mod blocks;
 
 use crate::event::{Event, Op};
 use crate::heap::LiveBlock;
+use blocks::LiveBlocks;
 
 /// The raw facts of one call: its registers at entry and its result.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -24,7 +25,7 @@ pub struct CallFacts {
 #[derive(Default)]
 pub struct Ledger {
     /// (pid, block) -> (event id of its allocation, size)
-    live: FxHashMap<(u32, u64), (u64, u64)>,
+    live: LiveBlocks,
     next_id: u64,
     live_bytes: u64,
     events: u64,
@@ -52,7 +53,7 @@ impl Ledger {
 
     /// True when `block` is a live block of process `pid`.
     pub fn is_live(&self, pid: u32, block: u64) -> bool {
-        self.live.contains_key(&(pid, block))
+        self.live.contains(pid, block)
     }
 
     pub fn complete(&mut self, op: Op, facts: &CallFacts) -> Completed {
@@ -107,7 +108,7 @@ impl Ledger {
             _ => None,
         };
         if let Some(block) = released {
-            match self.live.remove(&(facts.pid, block)) {
+            match self.live.remove(facts.pid, block) {
                 Some((id, size)) => {
                     event.alloc_id = Some(id);
                     self.live_bytes = self.live_bytes.wrapping_sub(size);
@@ -117,7 +118,7 @@ impl Ledger {
         }
         if op.allocates() && event.ptr != 0 {
             let size = event.size.unwrap_or(0);
-            if let Some((_, old)) = self.live.insert((facts.pid, event.ptr), (event.id, size)) {
+            if let Some((_, old)) = self.live.insert(facts.pid, event.ptr, event.id, size) {
                 // Handed out again without a traced release in between.
                 self.live_bytes = self.live_bytes.wrapping_sub(old);
             }
@@ -143,7 +144,7 @@ impl Ledger {
         blocks: &[LiveBlock],
     ) -> Vec<Event> {
         // One growth, not twenty rehashes of a table of 100 000s.
-        self.live.reserve(blocks.len());
+        self.live.reserve(pid, blocks.len());
         blocks
             .iter()
             .map(|b| {
@@ -163,16 +164,11 @@ impl Ledger {
     /// A process is gone (or exec'd): its blocks go with it. Returns the
     /// event ids of their allocations, in id order.
     pub fn forget_process(&mut self, pid: u32) -> Vec<u64> {
-        let mut freed = 0;
         let mut ids = Vec::new();
-        self.live.retain(|&(p, _), &mut (id, size)| {
-            if p == pid {
-                freed = u64::wrapping_add(freed, size);
-                ids.push(id);
-            }
-            p != pid
-        });
-        self.live_bytes = self.live_bytes.wrapping_sub(freed);
+        for (id, size) in self.live.forget(pid) {
+            self.live_bytes = self.live_bytes.wrapping_sub(size);
+            ids.push(id);
+        }
         ids.sort_unstable();
         ids
     }

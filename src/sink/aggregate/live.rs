@@ -5,14 +5,13 @@
 //! Event ids are sequence numbers, and most blocks die young, so the recent
 //! ids are a window: a slot per id, indexed by `id - base`, no hashing. When
 //! the window grows past [`WINDOW`] slots its oldest half moves out, the few
-//! blocks there still live going to a map of their own. An id far beyond
-//! the window moves it whole. So the memory follows the blocks that stay
-//! live, never the number of events.
+//! blocks there still live going, in id order, to a compact store of their
+//! own ([`OldBlocks`]). An id far beyond the window moves it whole. So the
+//! memory follows the blocks that stay live, never the number of events.
 
 use std::collections::VecDeque;
 
-use rustc_hash::FxHashMap;
-
+use super::old::OldBlocks;
 use crate::event::Op;
 
 /// Slots of the window before its oldest half moves out: 64 Ki ids, 2 MiB.
@@ -48,7 +47,7 @@ pub struct LiveBlocks {
     window: VecDeque<Block>,
     base: u64,
     /// Live blocks older than the window.
-    old: FxHashMap<u64, Block>,
+    old: OldBlocks,
     len: usize,
 }
 
@@ -62,7 +61,7 @@ impl LiveBlocks {
     pub fn insert(&mut self, id: u64, block: Block) {
         debug_assert_ne!(block.ptr, 0);
         if id < self.base {
-            if self.old.insert(id, block).is_none() {
+            if self.old.insert(id, block) {
                 self.len += 1;
             }
             return;
@@ -88,7 +87,7 @@ impl LiveBlocks {
     /// block of that id is live.
     pub fn remove(&mut self, id: u64) -> Option<Block> {
         let block = if id < self.base {
-            self.old.remove(&id)
+            self.old.remove(id)
         } else {
             let slot = self.window.get_mut((id - self.base) as usize)?;
             (slot.ptr != 0).then(|| std::mem::take(slot))
@@ -111,23 +110,23 @@ impl LiveBlocks {
         self.base = self.base.saturating_add(ids);
     }
 
-    /// Every live block with its id, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &Block)> {
+    /// Every live block with its id, in id order (the older blocks' ids
+    /// are all below the window's base).
+    pub fn iter(&self) -> impl Iterator<Item = (u64, Block)> + '_ {
         let base = self.base;
-        self.old.iter().map(|(&id, b)| (id, b)).chain(
+        self.old.iter().chain(
             self.window
                 .iter()
                 .enumerate()
                 .filter(|(_, b)| b.ptr != 0)
-                .map(move |(i, b)| (base + i as u64, b)),
+                .map(move |(i, &b)| (base + i as u64, b)),
         )
     }
 
-    /// Bytes held, roughly: the window and the map of older live blocks.
+    /// Bytes held, roughly: the window and the store of older live blocks.
     #[cfg(test)]
     pub fn footprint(&self) -> usize {
-        self.window.capacity() * std::mem::size_of::<Block>()
-            + self.old.capacity() * (8 + std::mem::size_of::<Block>())
+        self.window.capacity() * std::mem::size_of::<Block>() + self.old.footprint()
     }
 }
 
@@ -146,8 +145,8 @@ mod tests {
     }
 
     fn ids(live: &LiveBlocks) -> Vec<u64> {
-        let mut ids: Vec<u64> = live.iter().map(|(id, _)| id).collect();
-        ids.sort_unstable();
+        let ids: Vec<u64> = live.iter().map(|(id, _)| id).collect();
+        assert!(ids.is_sorted(), "in id order: {ids:?}");
         ids
     }
 

@@ -17,6 +17,7 @@
 //! It is pure data: no SQL, no process.
 
 mod live;
+mod old;
 #[cfg(test)]
 mod tests;
 
@@ -100,13 +101,12 @@ pub struct OverTimeRow {
     pub blocks: u64,
 }
 
-/// Everything kept, at the end.
+/// Everything kept, at the end, but the blocks live then (millions, perhaps:
+/// they are read one by one, from [`Aggregator::live_blocks`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Aggregates {
     /// Ordered by key (stack, thread, op code).
     pub calls: Vec<(CallKey, CallStats)>,
-    /// Live at the end and not released by an exec; by `alloc_id`.
-    pub live: Vec<LiveBlock>,
     /// Live at the end, released by their process's exec.
     pub exec_released_blocks: u64,
     pub exec_released_bytes: u64,
@@ -423,23 +423,11 @@ impl Aggregator {
             ..Aggregates::default()
         };
         for (alloc_id, b) in self.live.iter() {
-            if self.exec_released.contains(&alloc_id) {
+            if !self.exec_released.is_empty() && self.exec_released.contains(&alloc_id) {
                 out.exec_released_blocks += 1;
                 out.exec_released_bytes = out.exec_released_bytes.saturating_add(b.size);
-                continue;
             }
-            let cell = &self.cells[b.cell as usize];
-            out.live.push(LiveBlock {
-                alloc_id,
-                ptr: b.ptr,
-                size: b.size,
-                stack: cell.stack,
-                thread: cell.thread,
-                op: b.op,
-                ts_ns: b.ts_ns,
-            });
         }
-        out.live.sort_by_key(|b| b.alloc_id);
         if self.peak_seq > 0 {
             for cell in &self.cells {
                 let (blocks, bytes) = if cell.saved_for == self.peak_seq {
@@ -459,5 +447,25 @@ impl Aggregator {
         }
         out.at_peak.sort_by_key(|r| (r.stack, r.thread));
         out
+    }
+
+    /// The blocks live now and not released by an exec, by `alloc_id`:
+    /// at the end, the leaks.
+    pub fn live_blocks(&self) -> impl Iterator<Item = LiveBlock> + '_ {
+        self.live
+            .iter()
+            .filter(|(alloc_id, _)| !self.exec_released.contains(alloc_id))
+            .map(|(alloc_id, b)| {
+                let cell = &self.cells[b.cell as usize];
+                LiveBlock {
+                    alloc_id,
+                    ptr: b.ptr,
+                    size: b.size,
+                    stack: cell.stack,
+                    thread: cell.thread,
+                    op: b.op,
+                    ts_ns: b.ts_ns,
+                }
+            })
     }
 }

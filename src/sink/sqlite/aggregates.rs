@@ -101,7 +101,10 @@ pub fn write_over_time(conn: &Connection, rows: &[OverTimeRow]) -> Result<(), Si
 /// sink after the exec's record: `agg_live` keeps it, `leaks` does not).
 /// Summed here rather than by SQL over `agg_live`, which at 2.5 M leaked
 /// blocks (100 M calls) costs seconds of the finish.
-fn write_leaks_by_stack(conn: &Connection, live: &[LiveBlock]) -> Result<(), SinkError> {
+fn write_leaks_by_stack(
+    conn: &Connection,
+    live: impl Iterator<Item = LiveBlock>,
+) -> Result<(), SinkError> {
     let mut by_stack: HashMap<Option<u64>, (i64, i64)> = HashMap::new();
     for b in live {
         let entry = by_stack.entry(b.stack).or_default();
@@ -162,7 +165,9 @@ pub fn write_all(conn: &Connection, aggregator: &mut Aggregator) -> Result<(), S
         "INSERT INTO agg_live(alloc_id, ptr, size, stack_id, thread, op, ts_ns)
          VALUES (?, ?, ?, ?, ?, ?, ?)",
     )?;
-    for b in &a.live {
+    // One by one from the aggregator's store: a copy of millions of them
+    // (56 bytes each) was the largest thing at the end of a trace.
+    for b in aggregator.live_blocks() {
         insert.execute(params![
             int(b.alloc_id),
             int(b.ptr),
@@ -173,7 +178,7 @@ pub fn write_all(conn: &Connection, aggregator: &mut Aggregator) -> Result<(), S
             int(b.ts_ns)
         ])?;
     }
-    write_leaks_by_stack(conn, &a.live)?;
+    write_leaks_by_stack(conn, aggregator.live_blocks())?;
     let mut insert = conn.prepare_cached(
         "INSERT INTO agg_peak(stack_id, thread, blocks, bytes) VALUES (?, ?, ?, ?)",
     )?;
