@@ -78,15 +78,12 @@ pub fn for_each_event(
 ) -> Result<(), ReportError> {
     let (upto, until) = (upto.unwrap_or(i64::MAX), until.unwrap_or(i64::MAX));
     let mut seen = 0u64;
-    crate::sink::read_events(&trace.conn, upto, |stored| {
+    crate::sink::read_events(&trace.conn, upto, until, |stored| {
         // An op code this memptrace does not know cannot be analysed; the
         // schema version check makes it impossible short of a damaged file.
         let Some(op) = Op::from_code((stored.kind & 15) as u8) else {
             return;
         };
-        if stored.ts_ns > until {
-            return;
-        }
         let event = EventRow {
             id: stored.id,
             ts_ns: stored.ts_ns,

@@ -237,6 +237,12 @@ impl Group {
 
     /// A stored row back as absolute values (`SELECT * FROM event_groups`).
     pub fn from_row(row: &Row) -> rusqlite::Result<Group> {
+        Group::from_row_until(row, i64::MAX)
+    }
+
+    /// The same, but only the events of time `until` at the latest (the
+    /// others' columns are not read).
+    fn from_row_until(row: &Row, until: i64) -> rusqlite::Result<Group> {
         let num = |i: usize| -> rusqlite::Result<Num> {
             Ok(match row.get_ref(i)? {
                 ValueRef::Integer(n) => Num::Int(n),
@@ -263,11 +269,15 @@ impl Group {
                 continue;
             }
             let at = HEAD + 4 * k;
+            let ts = add(num(at)?, ts_base);
+            if whole(ts).is_some_and(|ts| ts > until) {
+                continue;
+            }
             let Num::Int(e) = num(at + 1)? else {
                 continue;
             };
             group.slots[k] = Some(Slot {
-                ts: add(num(at)?, ts_base),
+                ts,
                 kind: e & ((1 << w) - 1),
                 stack: e >> w,
                 ptr: add(num(at + 2)?, ptr_base),
@@ -320,12 +330,14 @@ pub struct StoredEvent {
     pub alloc_dist: Option<i64>,
 }
 
-/// Call `f` on every stored event with an id up to `upto`, in id order:
+/// Call `f` on every stored event with an id up to `upto` and a time up to
+/// `until`, in id order:
 /// the rows of `event_groups`, with the `alloc_dist`s of `event_extra`
 /// merged in (read side by side, both in id order).
 pub fn read_events(
     conn: &rusqlite::Connection,
     upto: i64,
+    until: i64,
     mut f: impl FnMut(&StoredEvent),
 ) -> rusqlite::Result<()> {
     let mut extra_stmt = conn.prepare(
@@ -347,7 +359,7 @@ pub fn read_events(
     let mut stmt = conn.prepare("SELECT * FROM event_groups WHERE g <= ?1 ORDER BY g")?;
     let mut rows = stmt.query([upto >> 4])?;
     while let Some(row) = rows.next()? {
-        let group = Group::from_row(row)?;
+        let group = Group::from_row_until(row, until)?;
         for (k, slot) in group.slots.iter().enumerate() {
             let Some(slot) = slot else {
                 continue;

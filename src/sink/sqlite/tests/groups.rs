@@ -115,7 +115,7 @@ fn every_value_comes_back_through_the_groups() {
     assert_eq!(rows, expected);
 
     let mut read = Vec::new();
-    read_events(&conn, i64::MAX, |s| read.push(*s)).unwrap();
+    read_events(&conn, i64::MAX, i64::MAX, |s| read.push(*s)).unwrap();
     assert_eq!(read.len(), sorted.len());
     for (s, e) in read.iter().zip(&sorted) {
         assert_eq!(s.id, e.id as i64);
@@ -129,7 +129,12 @@ fn every_value_comes_back_through_the_groups() {
     }
     // Up to an id inside a group.
     let mut upto = Vec::new();
-    read_events(&conn, 20, |s| upto.push(s.id)).unwrap();
+    read_events(&conn, 20, i64::MAX, |s| upto.push(s.id)).unwrap();
     assert_eq!(upto, (1..=20).collect::<Vec<i64>>());
+    // Up to a time: the events after it are left out, wherever they are.
+    let mut until = Vec::new();
+    read_events(&conn, i64::MAX, 5_000_000_030, |s| until.push(s.id)).unwrap();
+    let times = sorted.iter().filter(|e| e.ts_ns <= 5_000_000_030);
+    assert_eq!(until, times.map(|e| e.id as i64).collect::<Vec<i64>>());
     assert_eq!(crate::sink::last_event(&conn).unwrap(), Some((80, 80_000)));
 }
