@@ -7,7 +7,9 @@ mod memory;
 mod sqlite;
 
 pub use memory::MemorySink;
-pub use sqlite::{APPLICATION_ID, SCHEMA_VERSION, SqliteSink};
+pub use sqlite::{
+    APPLICATION_ID, SCHEMA_VERSION, SqliteSink, StoredEvent, last_event, read_events,
+};
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, OnceLock};

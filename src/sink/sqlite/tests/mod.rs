@@ -3,6 +3,7 @@
 //! views over them in `events`.
 
 mod events;
+mod groups;
 mod heap;
 mod tables;
 
