@@ -268,7 +268,7 @@ impl Tracer {
     ) -> Result<(), TraceError> {
         let args = [regs.rdi, regs.rsi, regs.rdx];
         let entry_sp = regs.rsp;
-        let stack = Self::awaited_sample(regs.rsp, regs.rbp);
+        let stack = super::copies::awaited_sample(regs.rsp, regs.rbp);
         let go_on = if op == Op::Free {
             slot.resume_at
         } else {

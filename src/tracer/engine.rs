@@ -41,7 +41,8 @@ impl Tracer {
             // bytes in it (nor killed by memptrace's exit): let it go.
             let _ = self.detach_all();
         }
-        self.settle_all(false);
+        self.book
+            .settle_all(&mut self.family, &mut self.target, false);
         self.book
             .drain_rings(&mut self.family, &mut self.stats, true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
@@ -50,7 +51,8 @@ impl Tracer {
         }
         self.stats.warn_let_through();
         if self.book.out.awaiting_copies() {
-            self.settle_finished();
+            self.book
+                .settle_finished(&mut self.family, &mut self.target);
         }
         Ok(self.book.out.send_ready(true)?)
     }
@@ -155,7 +157,8 @@ impl Tracer {
     /// While the pipeline is busy the batch grows instead (see [`outbox`]).
     pub(super) fn flush(&mut self) -> Result<(), TraceError> {
         if self.book.out.awaiting_copies() {
-            self.settle_finished();
+            self.book
+                .settle_finished(&mut self.family, &mut self.target);
         }
         Ok(self.book.out.send_ready(false)?)
     }
@@ -165,7 +168,8 @@ impl Tracer {
             return self.unknown(tid, stop);
         };
         if thread.copy.is_some() {
-            self.settle_at_stop(tid, &stop);
+            self.book
+                .settle_at_stop(&mut self.family, &mut self.target, tid, &stop);
         }
         let stopped = Stopped::of(stop);
         // Only calls and signals are served while the attach's heap is
@@ -177,7 +181,9 @@ impl Tracer {
             Stopped::Gone => self.thread_gone(tid, stop),
             Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
             Stopped::Trap => self.trap(tid),
-            Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
+            Stopped::Fault(_) if self.family.copy_faulted(&mut self.target, tid) => Ok(self
+                .family
+                .recover_copy(&mut self.target, &mut self.stats, tid)?),
             Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
                 Some(to) => self.recover_walk(tid, to),
                 None => self.resume(tid, sig),

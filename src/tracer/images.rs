@@ -19,7 +19,8 @@ impl Tracer {
         // under ptrace"); the exec'ing thread now has the leader's tid.
         for t in self.family.threads_of(pid) {
             if t != tid {
-                self.settle_copy(t, false);
+                self.book
+                    .settle_copy(&mut self.family, &mut self.target, t, false);
                 self.family.threads.remove(&t);
             }
         }

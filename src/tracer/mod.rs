@@ -311,7 +311,7 @@ impl Tracer {
             }
         } else {
             Catch::Int3 {
-                buffers: self.copies_wanted(),
+                buffers: copies::wanted(&self.opts),
             }
         }
     }
@@ -363,8 +363,28 @@ impl Tracer {
         Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
     }
 
+    /// Forwards for the lifecycle's files (see [`copies`]).
+    fn settle_copy(&mut self, tid: Tid, readable: bool) {
+        self.book
+            .settle_copy(&mut self.family, &mut self.target, tid, readable);
+    }
+
+    fn settle_all(&mut self, readable: bool) {
+        self.book
+            .settle_all(&mut self.family, &mut self.target, readable);
+    }
+
+    fn copy_faulted(&mut self, tid: Tid) -> bool {
+        self.family.copy_faulted(&mut self.target, tid)
+    }
+
+    fn note_copy_fault(&mut self, tid: Tid) {
+        self.family.note_copy_fault(&mut self.stats, tid);
+    }
+
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        self.settle_copy(tid, false);
+        self.book
+            .settle_copy(&mut self.family, &mut self.target, tid, false);
         self.stops.forget(tid);
         if let Some(b) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
             b.release(tid);
@@ -393,7 +413,8 @@ impl Tracer {
             .drain_process(&mut self.family, &mut self.stats, tid, true);
         self.stats.count_probes(&mut self.family, tid);
         for t in self.family.threads_of(tid) {
-            self.settle_copy(t, false);
+            self.book
+                .settle_copy(&mut self.family, &mut self.target, t, false);
             self.family.threads.remove(&t);
         }
         if let Some(process) = self.family.processes.remove(&tid) {
