@@ -34,7 +34,7 @@ impl Tracer {
         self.finish_inventory(true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
         for pid in pids {
-            self.warn_if_unhooked(pid);
+            self.images().0.warn_if_unhooked(pid);
         }
         if failed && !self.family.threads.is_empty() {
             // Whatever went wrong, the program is not left with memptrace's
@@ -195,7 +195,11 @@ impl Tracer {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)
             }
-            Stopped::Exec => self.exec(tid),
+            Stopped::Exec => {
+                let catch = self.catch();
+                let (mut images, target) = self.images();
+                images.exec(target, tid, catch)
+            }
             Stopped::Exiting => {
                 self.book
                     .release_slots(&mut self.family, &mut self.stats, tid);

@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use super::probes::Probe;
-use super::process::Role;
+use super::process::{Family, Role};
 use super::{TraceError, Tracer};
 use crate::memory::Memory;
 use crate::os::mem;
@@ -124,37 +124,6 @@ impl Tracer {
         );
         if !self.stats.warnings.contains(&warning) {
             self.stats.warnings.push(warning);
-        }
-    }
-
-    /// Record nothing (`paused`), or again, of what thread `tid` calls: the
-    /// thread of a parent whose vfork child runs on its stack.
-    pub(super) fn pause_slots(&mut self, tid: Tid, paused: bool) {
-        if let Some(control) = self.family.space_of(tid).and_then(|s| s.control()) {
-            control.pause(tid, paused);
-        }
-    }
-
-    /// A vfork child (`pid`) execs or exits: its parent's thread records
-    /// again, and the slots the child took in its parent's memory go.
-    pub(super) fn end_sharing(&mut self, pid: Tid) {
-        let Some(process) = self.family.processes.get(&pid) else {
-            return;
-        };
-        let (Role::Shares { parent }, Some(by)) = (process.role, process.paused) else {
-            return;
-        };
-        let control = self
-            .family
-            .processes
-            .get_mut(&parent)
-            .and_then(|p| p.space.as_mut())
-            .and_then(|s| s.control_mut());
-        if let Some(control) = control {
-            control.pause(by, false);
-            for slot in control.slots_of(pid) {
-                control.release(slot);
-            }
         }
     }
 
@@ -388,5 +357,38 @@ impl Tracer {
         }
         self.adopt_announced(deadline)?;
         Ok(waiting.into_iter().collect())
+    }
+}
+
+/// Pausing the jump probes of a vfork child's parent is the family's.
+impl Family {
+    /// Record nothing (`paused`), or again, of what thread `tid` calls: the
+    /// thread of a parent whose vfork child runs on its stack.
+    pub fn pause_slots(&self, tid: Tid, paused: bool) {
+        if let Some(control) = self.space_of(tid).and_then(|s| s.control()) {
+            control.pause(tid, paused);
+        }
+    }
+
+    /// A vfork child (`pid`) execs or exits: its parent's thread records
+    /// again, and the slots the child took in its parent's memory go.
+    pub fn end_sharing(&mut self, pid: Tid) {
+        let Some(process) = self.processes.get(&pid) else {
+            return;
+        };
+        let (Role::Shares { parent }, Some(by)) = (process.role, process.paused) else {
+            return;
+        };
+        let control = self
+            .processes
+            .get_mut(&parent)
+            .and_then(|p| p.space.as_mut())
+            .and_then(|s| s.control_mut());
+        if let Some(control) = control {
+            control.pause(by, false);
+            for slot in control.slots_of(pid) {
+                control.release(slot);
+            }
+        }
     }
 }

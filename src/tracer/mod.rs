@@ -60,6 +60,7 @@ use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
+use images::Images;
 use merge::TscClock;
 use outbox::Outbox;
 use process::{Family, Process, Role};
@@ -363,7 +364,39 @@ impl Tracer {
         Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
     }
 
-    /// Forwards for the lifecycle's files (see [`copies`]).
+    /// The parts images concern (see [`images`]), and the target.
+    fn images(&mut self) -> (Images<'_>, &mut Live) {
+        let images = Images {
+            opts: &self.opts,
+            family: &mut self.family,
+            book: &mut self.book,
+            stats: &mut self.stats,
+        };
+        (images, &mut self.target)
+    }
+
+    /// Forwards for the lifecycle's files (see [`copies`], [`images`],
+    /// [`jumps`]).
+    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
+        self.images().0.refresh(pid, tid)
+    }
+
+    fn note_planted(&mut self, pid: Tid, planted: Vec<space::Planted>) {
+        self.stats.note_planted(pid, planted);
+    }
+
+    fn announce_image(&mut self, pid: Tid, module: &space::images::LoadedModule, now: u64) {
+        self.images().0.announce(pid, module, now);
+    }
+
+    fn end_sharing(&mut self, pid: Tid) {
+        self.family.end_sharing(pid);
+    }
+
+    fn pause_slots(&mut self, tid: Tid, paused: bool) {
+        self.family.pause_slots(tid, paused);
+    }
+
     fn settle_copy(&mut self, tid: Tid, readable: bool) {
         self.book
             .settle_copy(&mut self.family, &mut self.target, tid, readable);
@@ -390,7 +423,7 @@ impl Tracer {
             b.release(tid);
         }
         if self.family.pid_of(tid) == Some(tid) {
-            self.end_sharing(tid);
+            self.family.end_sharing(tid);
         }
         let Some(mut thread) = self.family.threads.remove(&tid) else {
             return Ok(());
@@ -408,7 +441,7 @@ impl Tracer {
             return Ok(());
         }
         // The leader's exit is reported last: the whole process is gone.
-        self.warn_if_unhooked(tid);
+        self.images().0.warn_if_unhooked(tid);
         self.book
             .drain_process(&mut self.family, &mut self.stats, tid, true);
         self.stats.count_probes(&mut self.family, tid);
