@@ -180,7 +180,7 @@ impl Tracer {
         match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
             Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
-            Stopped::Trap => self.trap(tid),
+            Stopped::Trap => self.serve().trap(tid),
             Stopped::Fault(_) if self.family.copy_faulted(&mut self.target, tid) => Ok(self
                 .family
                 .recover_copy(&mut self.target, &mut self.stats, tid)?),
@@ -225,8 +225,9 @@ impl Tracer {
         let held = self
             .heaps
             .finish_inventory(&mut self.book, &mut self.stats, wait);
+        let mut serve = self.serve();
         for call in held {
-            self.complete(call.op, &call.facts, call.stack, call.module_id);
+            serve.complete(call.op, &call.facts, call.stack, call.module_id);
         }
     }
 

@@ -3,11 +3,14 @@
 //! which must get every thread out of the probes before their code goes.
 
 use std::collections::{HashMap, HashSet};
+use std::io;
 use std::time::{Duration, Instant};
 
+use super::calls::redirect;
 use super::probes::Probe;
 use super::process::{Family, Role};
-use super::{TraceError, Tracer};
+use super::target::Target;
+use super::{TraceError, TraceStats, Tracer};
 use crate::memory::Memory;
 use crate::os::mem;
 use crate::os::ptrace::{self, Regs, Tid};
@@ -17,40 +20,6 @@ use crate::os::ptrace::{self, Regs, Tid};
 const RUN_OUT: (Duration, Duration) = (Duration::from_micros(50), Duration::from_millis(5));
 
 impl Tracer {
-    /// A thread with no slot met a probe (its first allocator call, or its
-    /// thread pointer changed): give it one, and send it back into the
-    /// probe, which now finds it.
-    pub(super) fn on_miss(
-        &mut self,
-        tid: Tid,
-        pid: Tid,
-        regs: Regs,
-        entry: u64,
-    ) -> Result<(), TraceError> {
-        let stack = self.family.stack_range(tid, pid, regs.rsp);
-        let shares = self
-            .family
-            .processes
-            .get(&pid)
-            .is_some_and(|p| matches!(p.role, Role::Shares { .. }));
-        let registered = self
-            .family
-            .space_of_mut(tid)
-            .and_then(|s| s.control_mut())
-            .and_then(|c| {
-                let slot = c.register(tid, regs.fs_base, stack)?;
-                if shares {
-                    // A vfork child: its calls are not recorded.
-                    c.pause(tid, true);
-                }
-                Some(slot)
-            });
-        if registered.is_none() {
-            self.note_no_slot(tid);
-        }
-        self.redirect(tid, regs, entry, Vec::new())
-    }
-
     /// Where a probe's stack walk that faulted goes on (its end, the stack
     /// marked truncated): a fault raised by the CPU (si_code > 0) at an
     /// instruction of a walk, when the thread's stack mapping shrank since
@@ -115,16 +84,6 @@ impl Tracer {
             ptrace::set_regs(tid, &regs)?;
         }
         Ok(())
-    }
-
-    fn note_no_slot(&mut self, tid: Tid) {
-        let warning = format!(
-            "thread {tid} found no free slot in the jump probes' memory (over {} threads at once?) and waits for one",
-            super::probes::jump::layout::SLOTS
-        );
-        if !self.stats.warnings.contains(&warning) {
-            self.stats.warnings.push(warning);
-        }
     }
 
     /// At detach, every thread stopped: let each thread standing in a
@@ -360,8 +319,43 @@ impl Tracer {
     }
 }
 
-/// Pausing the jump probes of a vfork child's parent is the family's.
+/// A thread's slot in the jump probes' memory, and pausing the probes of
+/// a vfork child's parent, are the family's.
 impl Family {
+    /// A thread with no slot met a probe (its first allocator call, or its
+    /// thread pointer changed): give it one, and send it back into the
+    /// probe, which now finds it.
+    pub fn on_miss<T: Target>(
+        &mut self,
+        target: &mut T,
+        stats: &mut TraceStats,
+        tid: Tid,
+        pid: Tid,
+        regs: Regs,
+        entry: u64,
+    ) -> io::Result<()> {
+        let stack = self.stack_range(tid, pid, regs.rsp);
+        let shares = self
+            .processes
+            .get(&pid)
+            .is_some_and(|p| matches!(p.role, Role::Shares { .. }));
+        let registered = self
+            .space_of_mut(tid)
+            .and_then(|s| s.control_mut())
+            .and_then(|c| {
+                let slot = c.register(tid, regs.fs_base, stack)?;
+                if shares {
+                    // A vfork child: its calls are not recorded.
+                    c.pause(tid, true);
+                }
+                Some(slot)
+            });
+        if registered.is_none() {
+            note_no_slot(stats, tid);
+        }
+        redirect(self, target, tid, regs, entry, &[])
+    }
+
     /// Record nothing (`paused`), or again, of what thread `tid` calls: the
     /// thread of a parent whose vfork child runs on its stack.
     pub fn pause_slots(&self, tid: Tid, paused: bool) {
@@ -390,5 +384,16 @@ impl Family {
                 control.release(slot);
             }
         }
+    }
+}
+
+/// Thread `tid` found no free slot: the user hears of it once.
+fn note_no_slot(stats: &mut TraceStats, tid: Tid) {
+    let warning = format!(
+        "thread {tid} found no free slot in the jump probes' memory (over {} threads at once?) and waits for one",
+        super::probes::jump::layout::SLOTS
+    );
+    if !stats.warnings.contains(&warning) {
+        stats.warnings.push(warning);
     }
 }

@@ -60,6 +60,7 @@ use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
+use calls::Serve;
 use images::Images;
 use merge::TscClock;
 use outbox::Outbox;
@@ -375,8 +376,35 @@ impl Tracer {
         (images, &mut self.target)
     }
 
-    /// Forwards for the lifecycle's files (see [`copies`], [`images`],
-    /// [`jumps`]).
+    /// The parts serving a breakpoint stop concerns (see [`calls`]).
+    fn serve(&mut self) -> Serve<'_, Live> {
+        Serve {
+            opts: &self.opts,
+            family: &mut self.family,
+            book: &mut self.book,
+            heaps: &mut self.heaps,
+            stats: &mut self.stats,
+            target: &mut self.target,
+        }
+    }
+
+    /// Forwards for the lifecycle's files (see [`calls`], [`copies`],
+    /// [`images`], [`jumps`]).
+    fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<process::PendingCall> {
+        self.family.returning_call(&mut self.stats, tid, rsp)
+    }
+
+    fn record_return(
+        &mut self,
+        pid: Tid,
+        tid: Tid,
+        call: process::PendingCall,
+        rax: u64,
+        stored: u64,
+    ) {
+        self.serve().record_return(pid, tid, call, rax, stored);
+    }
+
     fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
         self.images().0.refresh(pid, tid)
     }

@@ -210,6 +210,10 @@ impl Target for FakeTarget {
         Ok(())
     }
 
+    fn read_word(&mut self, pid: Tid, addr: u64) -> io::Result<u64> {
+        self.memory(pid).read_u64(addr)
+    }
+
     fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
         self.memory(pid).write_code(addr, bytes)?;
         self.calls.push(Call::WriteData(pid, addr, bytes.to_vec()));
