@@ -7,12 +7,10 @@ use crate::heap;
 use crate::os::ptrace::zeroed_regs;
 use crate::queue::Receiver;
 use crate::trace_msg::TraceMsg;
-use crate::tracer::ProbeMode;
 use crate::tracer::probes::int3;
-use crate::tracer::process::{Process, Role, Thread};
+use crate::tracer::process::Thread;
 use crate::tracer::space::fake::{FakeSpace, PID};
 use crate::tracer::target::fake::{Call, FakeTarget};
-use crate::unwind::UnwinderKind;
 
 /// The thread's stack pointer at the entry, and the caller's return
 /// address on top of its stack.
@@ -42,25 +40,14 @@ impl Rig {
         let mut stack = vec![0x5a; STACK as usize];
         stack[..8].copy_from_slice(&RET.to_le_bytes());
         fake.mem.map(SP, stack);
-        let mut family = Family::default();
-        family
-            .processes
-            .insert(PID, Process::new(Role::Traced, Some(fake.space)));
+        let mut family = Family::of_one(PID, fake.space);
         let mut thread = Thread::new(PID, 0);
         // Its stack's mapping, known: not looked up in /proc.
         thread.stack = Some(SP - 0x1000..SP + STACK);
         family.threads.insert(PID, thread);
         let (book, rx) = Booking::for_tests(None);
         Rig {
-            opts: TraceOptions {
-                probes: ProbeMode::Int3,
-                max_depth: 8,
-                unwinder: UnwinderKind::Framehop,
-                stacks: true,
-                stack_every: 1,
-                follow_forks: false,
-                duration: None,
-            },
+            opts: TraceOptions::for_tests(true),
             family,
             book,
             rx,

@@ -267,7 +267,6 @@ mod tests {
     use crate::os::shared;
     use crate::os::shared::SharedMemory;
     use crate::queue::Receiver;
-    use crate::tracer::ProbeMode;
     use crate::tracer::ledger::CallFacts;
     use crate::tracer::outbox::Outbox;
     use crate::tracer::process::{PendingCall, Process, Role, Thread};
@@ -285,15 +284,7 @@ mod tests {
     /// A booking whose batches go to the queue returned.
     fn booking(stacks: bool) -> (Booking, Receiver<Vec<TraceMsg>>) {
         let (tx, rx) = crate::queue::bounded(16, |_| 1);
-        let opts = TraceOptions {
-            probes: ProbeMode::Int3,
-            max_depth: 8,
-            unwinder: Default::default(),
-            stacks,
-            stack_every: 1,
-            follow_forks: false,
-            duration: None,
-        };
+        let opts = TraceOptions::for_tests(stacks);
         let out = Outbox::new(crate::unwind::pipeline::PipelineHandle::to_channel(tx));
         let book = Booking::new(&opts, Instant::now(), None, out, Arc::default());
         (book, rx)

@@ -184,10 +184,16 @@ impl Tracer {
             Stopped::Fault(_) if self.family.copy_faulted(&mut self.target, tid) => Ok(self
                 .family
                 .recover_copy(&mut self.target, &mut self.stats, tid)?),
-            Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
-                Some(to) => self.recover_walk(tid, to),
-                None => self.resume(tid, sig),
-            },
+            Stopped::Fault(sig) if self.jumps() => {
+                match self.family.walk_faulted(&mut self.target, tid) {
+                    Some(to) => {
+                        Ok(self
+                            .family
+                            .recover_walk(&mut self.target, &mut self.stats, tid, to)?)
+                    }
+                    None => self.resume(tid, sig),
+                }
+            }
             Stopped::Fault(sig) | Stopped::Signal(sig) => {
                 Ok(self.family.deliver(&mut self.target, tid, sig)?)
             }

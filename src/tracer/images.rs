@@ -297,31 +297,41 @@ mod tests {
     use crate::tracer::space::How;
     use crate::tracer::space::fake::{AREA, AREA_LEN, FakeSpace, PID};
 
-    fn opts() -> TraceOptions {
-        TraceOptions {
-            probes: super::super::ProbeMode::Int3,
-            max_depth: 8,
-            unwinder: UnwinderKind::Framehop,
-            stacks: true,
-            stack_every: 1,
-            follow_forks: false,
-            duration: None,
+    /// The fake space's process, traced, with what images need of the
+    /// tracer.
+    struct Rig {
+        opts: TraceOptions,
+        family: Family,
+        book: Booking,
+        rx: Receiver<Vec<TraceMsg>>,
+        stats: TraceStats,
+    }
+
+    impl Rig {
+        fn new(fake: FakeSpace) -> Rig {
+            let (book, rx) = Booking::for_tests(None);
+            Rig {
+                opts: TraceOptions::for_tests(true),
+                family: Family::of_one(PID, fake.space),
+                book,
+                rx,
+                stats: TraceStats::default(),
+            }
         }
-    }
 
-    /// The fake space's process, traced, and a booking for it.
-    fn traced(fake: FakeSpace) -> (Family, Booking, Receiver<Vec<TraceMsg>>) {
-        let mut family = Family::default();
-        family
-            .processes
-            .insert(PID, Process::new(Role::Traced, Some(fake.space)));
-        let (book, rx) = Booking::for_tests(None);
-        (family, book, rx)
-    }
+        fn images(&mut self) -> Images<'_> {
+            Images {
+                opts: &self.opts,
+                family: &mut self.family,
+                book: &mut self.book,
+                stats: &mut self.stats,
+            }
+        }
 
-    fn sent(book: &mut Booking, rx: &Receiver<Vec<TraceMsg>>) -> Vec<TraceMsg> {
-        book.out.send_ready(true).unwrap();
-        rx.recv().expect("a batch").0
+        fn sent(&mut self) -> Vec<TraceMsg> {
+            self.book.out.send_ready(true).unwrap();
+            self.rx.recv().expect("a batch").0
+        }
     }
 
     #[test]
@@ -334,22 +344,19 @@ mod tests {
         changes.signals.push(libc::SIGUSR1);
         changes.warnings = vec!["w".to_string(), "w".to_string()];
         let areas = fake.space.area_ranges();
-        let (mut family, mut book, rx) = traced(fake);
-        let opts = opts();
-        let mut stats = TraceStats::default();
-        let mut images = Images {
-            opts: &opts,
-            family: &mut family,
-            book: &mut book,
-            stats: &mut stats,
-        };
+        let mut rig = Rig::new(fake);
+        let mut images = rig.images();
         let signals = images.apply(PID, changes, planted, areas).unwrap();
         assert_eq!(signals, [libc::SIGUSR1]);
-        assert_eq!((stats.images, stats.hooked_functions), (1, planted));
-        assert_eq!(stats.warnings, ["w"]);
-        let malloc = stats.probes.iter().find(|(k, _)| k == "libc.so.6:malloc");
+        assert_eq!((rig.stats.images, rig.stats.hooked_functions), (1, planted));
+        assert_eq!(rig.stats.warnings, ["w"]);
+        let malloc = rig
+            .stats
+            .probes
+            .iter()
+            .find(|(k, _)| k == "libc.so.6:malloc");
         assert_eq!(malloc.map(|(_, how)| how.as_str()), Some("int3"));
-        let msgs = sent(&mut book, &rx);
+        let msgs = rig.sent();
         assert!(matches!(
             &msgs[..],
             [TraceMsg::Trampolines { pid, areas }, TraceMsg::Image { record, .. }]
@@ -365,19 +372,13 @@ mod tests {
             removed: vec![module.clone()],
             ..Changes::default()
         };
-        let (mut family, mut book, rx) = traced(fake);
-        let opts = opts();
-        let mut stats = TraceStats::default();
-        let mut images = Images {
-            opts: &opts,
-            family: &mut family,
-            book: &mut book,
-            stats: &mut stats,
-        };
+        let mut rig = Rig::new(fake);
+        let mut images = rig.images();
         images.apply(PID, changes, 0, Vec::new()).unwrap();
         // And every image at once, when the program execs.
         images.forget(PID);
-        let gone: Vec<u64> = sent(&mut book, &rx)
+        let gone: Vec<u64> = rig
+            .sent()
             .iter()
             .filter_map(|m| match m {
                 TraceMsg::ImageGone {
@@ -387,65 +388,45 @@ mod tests {
             })
             .collect();
         assert_eq!(gone, [module.id, module.id]);
-        assert_eq!(stats.images, 0);
+        assert_eq!(rig.stats.images, 0);
     }
 
     #[test]
     fn a_program_with_nothing_hooked_is_warned_of_once() {
-        let (mut family, mut book, _rx) = traced(FakeSpace::libc(false));
-        let opts = opts();
-        let mut stats = TraceStats::default();
-        let mut images = Images {
-            opts: &opts,
-            family: &mut family,
-            book: &mut book,
-            stats: &mut stats,
-        };
+        let mut rig = Rig::new(FakeSpace::libc(false));
+        let mut images = rig.images();
         images.warn_if_unhooked(PID);
         images.warn_if_unhooked(PID);
         // Nor a process memptrace does not know.
         images.warn_if_unhooked(PID + 1);
-        assert_eq!(stats.warnings.len(), 1);
-        assert!(stats.warnings[0].starts_with(&format!("process {PID}: no allocator function")));
+        assert_eq!(rig.stats.warnings.len(), 1);
+        assert!(
+            rig.stats.warnings[0].starts_with(&format!("process {PID}: no allocator function"))
+        );
     }
 
     #[test]
     fn a_seccomp_refusal_is_the_reason_given() {
         let mut fake = FakeSpace::libc(false);
         fake.space.refused = Some("mmap".to_string());
-        let (mut family, mut book, _rx) = traced(fake);
-        let opts = opts();
-        let mut stats = TraceStats::default();
-        Images {
-            opts: &opts,
-            family: &mut family,
-            book: &mut book,
-            stats: &mut stats,
-        }
-        .warn_if_unhooked(PID);
-        assert_eq!(stats.warnings.len(), 1);
-        assert!(stats.warnings[0].contains("seccomp filter may refuse (mmap)"));
+        let mut rig = Rig::new(fake);
+        rig.images().warn_if_unhooked(PID);
+        assert_eq!(rig.stats.warnings.len(), 1);
+        assert!(rig.stats.warnings[0].contains("seccomp filter may refuse (mmap)"));
     }
 
     #[test]
     fn a_hooked_program_or_a_vfork_child_is_not_warned_of() {
         let mut fake = FakeSpace::libc(true);
         fake.hook();
-        let (mut family, mut book, _rx) = traced(fake);
-        family
+        let mut rig = Rig::new(fake);
+        rig.family
             .processes
             .insert(PID + 1, Process::new(Role::Shares { parent: PID }, None));
-        let opts = opts();
-        let mut stats = TraceStats::default();
-        let mut images = Images {
-            opts: &opts,
-            family: &mut family,
-            book: &mut book,
-            stats: &mut stats,
-        };
+        let mut images = rig.images();
         images.warn_if_unhooked(PID);
         images.warn_if_unhooked(PID + 1);
-        assert!(stats.warnings.is_empty());
+        assert!(rig.stats.warnings.is_empty());
     }
 
     #[test]

@@ -107,6 +107,23 @@ pub struct TraceOptions {
     pub duration: Option<Duration>,
 }
 
+#[cfg(test)]
+impl TraceOptions {
+    /// Options for unit tests: int3 probes, stacks (`stacks`) of every
+    /// call unwound by framehop.
+    pub(crate) fn for_tests(stacks: bool) -> TraceOptions {
+        TraceOptions {
+            probes: ProbeMode::Int3,
+            max_depth: 8,
+            unwinder: UnwinderKind::Framehop,
+            stacks,
+            stack_every: 1,
+            follow_forks: false,
+            duration: None,
+        }
+    }
+}
+
 /// How a trace ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ending {
@@ -415,6 +432,14 @@ impl Tracer {
 
     fn announce_image(&mut self, pid: Tid, module: &space::images::LoadedModule, now: u64) {
         self.images().0.announce(pid, module, now);
+    }
+
+    fn walk_faulted(&mut self, tid: Tid) -> Option<u64> {
+        self.family.walk_faulted(&mut self.target, tid)
+    }
+
+    fn step_over_patch(&mut self, tid: Tid) -> Result<(), TraceError> {
+        Ok(self.family.step_over_patch(&mut self.target, tid)?)
     }
 
     fn end_sharing(&mut self, pid: Tid) {
