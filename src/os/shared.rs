@@ -263,6 +263,27 @@ impl Drop for SharedMemory {
 /// Bytes of private memory before each shared mapping.
 pub const PRIVATE_PAGE: usize = 4096;
 
+/// For unit tests above os/: a memfd of memptrace's own mapped twice, one
+/// mapping standing for the target's side of the memory, the other for
+/// memptrace's.
+#[cfg(test)]
+pub fn pair_for_tests(len: usize) -> io::Result<(SharedMemory, SharedMemory)> {
+    // SAFETY: memfd_create with a NUL-terminated name; the descriptor is
+    // owned from here on; ftruncate of our own memfd.
+    let fd = unsafe {
+        let fd = libc::memfd_create(c"memptrace-test".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let fd = OwnedFd::from_raw_fd(fd);
+        if libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        fd
+    };
+    Ok((SharedMemory::map(&fd, len)?, SharedMemory::map(&fd, len)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

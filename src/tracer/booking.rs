@@ -92,6 +92,13 @@ impl Booking {
         self.send(TraceMsg::Record(crate::sink::Record::Thread(record)));
     }
 
+    /// Whether a call of process `pid` from call site `ret` keeps its
+    /// stack: not with `--no-stacks`; with `--stack-every N`, every Nth
+    /// call of the site, and every call that must (`always`).
+    pub fn keeps_stack(&self, family: &mut Family, pid: Tid, ret: u64, always: bool) -> bool {
+        self.stacks && (always || family.sampled(pid, ret, self.stack_every))
+    }
+
     /// Book a finished call: its message for the pipeline.
     pub fn completed(
         &mut self,

@@ -20,18 +20,25 @@
 //! a signal handler that interrupted the pending call makes it
 //! (see [`super::handlers`]). The bookkeeping runs after the thread is
 //! resumed.
+//!
+//! [`Serve`] borrows, for one stop, what serving it needs of the tracer:
+//! the options, the traced processes, the booking, the heap maps (a call
+//! completed while the attach's heap is walked is held back), the counts
+//! and the target. It never waits for a stop, and never sees the stop
+//! queue or the trace's control.
 
-use super::copies::{CopyInto, PendingCopy};
-use super::heapmaps::HeldCall;
+use super::booking::Booking;
+use super::copies::{self, CopyInto, PendingCopy};
+use super::heapmaps::{HeapMaps, HeldCall};
+use super::images::Images;
 use super::ledger::CallFacts;
 use super::probes::{HookKind, Probe};
-use super::process::{PendingCall, PendingMap};
+use super::process::{Family, PendingCall, PendingMap};
 use super::space::buffers::STACK_COPY;
-use super::{TraceError, Tracer};
+use super::target::{Live, Target};
+use super::{TraceError, TraceOptions, TraceStats};
 use crate::event::{MapOp, Op};
-use crate::memory::Memory;
-use crate::os::mem::{self, ProcessMemory};
-use crate::os::ptrace::{self, Regs, Tid};
+use crate::os::ptrace::{Regs, Tid};
 use crate::trace_msg::{CallStack, StackSample};
 use crate::unwind::Unwinder;
 
@@ -42,10 +49,21 @@ struct Slot {
     stub: u64,
 }
 
-impl Tracer {
+/// The tracer's parts that serving a breakpoint stop concerns, borrowed
+/// for that stop.
+pub(super) struct Serve<'a, T: Target> {
+    pub opts: &'a TraceOptions,
+    pub family: &'a mut Family,
+    pub book: &'a mut Booking,
+    pub heaps: &'a mut HeapMaps,
+    pub stats: &'a mut TraceStats,
+    pub target: &'a mut T,
+}
+
+impl<T: Target> Serve<'_, T> {
     /// A SIGTRAP stop: one of our int3s, or the program's own SIGTRAP.
     pub(super) fn trap(&mut self, tid: Tid) -> Result<(), TraceError> {
-        let regs = match ptrace::get_regs(tid) {
+        let regs = match self.target.regs(tid) {
             Ok(regs) => regs,
             Err(_) => return Ok(()), // killed meanwhile; waitpid will say
         };
@@ -70,13 +88,16 @@ impl Tracer {
                     // its displaced `ret` once the images are read.
                     let on = code.displaced;
                     let signals = if recording {
-                        self.refresh_images(pid, tid)?
+                        self.images().refresh(pid, tid)?
                     } else {
                         Vec::new()
                     };
                     return self.redirect(tid, regs, on, signals);
                 }
-                return self.on_miss(tid, pid, regs, code.entry);
+                let entry = code.entry;
+                return Ok(self
+                    .family
+                    .on_miss(self.target, self.stats, tid, pid, regs, entry)?);
             }
             return self.resume(tid, libc::SIGTRAP);
         };
@@ -95,7 +116,7 @@ impl Tracer {
         match hook.kind.clone() {
             HookKind::DebugState => {
                 let signals = if recording {
-                    self.refresh_images(pid, tid)?
+                    self.images().refresh(pid, tid)?
                 } else {
                     Vec::new()
                 };
@@ -116,18 +137,36 @@ impl Tracer {
     }
 
     /// Resume a thread stopped at a breakpoint at the displaced instruction.
-    pub(super) fn redirect(
+    fn redirect(
         &mut self,
         tid: Tid,
-        mut regs: Regs,
+        regs: Regs,
         resume_at: u64,
         signals: Vec<i32>,
     ) -> Result<(), TraceError> {
-        regs.rip = resume_at;
-        if ptrace::set_regs(tid, &regs).is_err() {
-            return Ok(()); // gone
+        Ok(redirect(
+            self.family,
+            self.target,
+            tid,
+            regs,
+            resume_at,
+            &signals,
+        )?)
+    }
+
+    /// Resume a thread, delivering `sig` (see [`super::running`]).
+    fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
+        Ok(self.family.resume(self.target, tid, sig)?)
+    }
+
+    /// The parts images concern (see [`Images`]).
+    fn images(&mut self) -> Images<'_> {
+        Images {
+            opts: self.opts,
+            family: self.family,
+            book: self.book,
+            stats: self.stats,
         }
-        self.resume_with(tid, signals)
     }
 
     fn on_entry(
@@ -268,7 +307,7 @@ impl Tracer {
     ) -> Result<(), TraceError> {
         let args = [regs.rdi, regs.rsi, regs.rdx];
         let entry_sp = regs.rsp;
-        let stack = Self::awaited_sample(regs.rsp, regs.rbp);
+        let stack = copies::awaited_sample(regs.rsp, regs.rbp);
         let go_on = if op == Op::Free {
             slot.resume_at
         } else {
@@ -278,7 +317,7 @@ impl Tracer {
         regs.r10 = copy.len as u64 / 8;
         regs.rax = go_on;
         regs.rip = routine;
-        if ptrace::set_regs(tid, &regs).is_err() {
+        if self.target.set_regs(tid, &regs).is_err() {
             return Ok(()); // gone
         }
         self.resume(tid, 0)?;
@@ -310,7 +349,7 @@ impl Tracer {
     /// thread goes on where it is (the stub returns to the caller).
     fn on_return(&mut self, tid: Tid, regs: Regs) -> Result<(), TraceError> {
         let pid = self.family.pid_of(tid).unwrap_or(tid);
-        let Some(call) = self.returning_call(tid, regs.rsp) else {
+        let Some(call) = self.family.returning_call(self.stats, tid, regs.rsp) else {
             if let Some(map) = self.family.returning_map(tid, regs.rsp) {
                 self.resume(tid, 0)?;
                 self.book.record_map(pid, tid, map, regs.rax);
@@ -320,7 +359,7 @@ impl Tracer {
             // could tell) came back after all: not recorded, no harm done.
             return self.resume(tid, 0);
         };
-        let stored = stored_block(pid, &call, regs.rax);
+        let stored = stored_block_in(self.target, pid, &call, regs.rax);
         self.resume(tid, 0)?;
         self.record_return(pid, tid, call, regs.rax, stored);
         Ok(())
@@ -361,19 +400,6 @@ impl Tracer {
         self.redirect(tid, regs, stub, Vec::new())
     }
 
-    /// The pending call of `tid` that a stop at a return int3 with stack
-    /// pointer `rsp` completes. The stub's `call` pushed its return address
-    /// 16 bytes below the entry's stack pointer, and `ret` popped it.
-    pub(super) fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<PendingCall> {
-        let thread = self.family.threads.get_mut(&tid)?;
-        self.stats.lost_returns += thread.leave_handlers(rsp);
-        let ours = thread
-            .in_call
-            .as_ref()
-            .is_some_and(|c| c.entry_sp.wrapping_sub(8) == rsp);
-        if ours { thread.in_call.take() } else { None }
-    }
-
     /// Book a call that returned `rax` (and, for posix_memalign, `stored`).
     pub(super) fn record_return(
         &mut self,
@@ -398,7 +424,7 @@ impl Tracer {
         CallFacts {
             pid: pid as u32,
             tid: tid as u32,
-            ts_ns: self.now_ns(),
+            ts_ns: self.book.now_ns(),
             args,
             ret,
             stored_ptr,
@@ -418,7 +444,7 @@ impl Tracer {
             let msg = self
                 .book
                 .completed(call.op, &call.facts, call.stack, call.module_id);
-            self.send(msg);
+            self.book.send(msg);
         }
     }
 
@@ -434,14 +460,13 @@ impl Tracer {
         always: bool,
     ) -> (u64, CallStack) {
         let sp = regs.rsp;
-        let mem = ProcessMemory(pid);
         if !self.opts.stacks {
-            let ret = mem.read_u64(sp).unwrap_or(0);
+            let ret = self.target.read_word(pid, sp).unwrap_or(0);
             return (ret, CallStack::CallerOnly(ret));
         }
         if self.opts.stack_every > 1 {
             // The call site is the return address: one word read first.
-            let ret = mem.read_u64(sp).unwrap_or(0);
+            let ret = self.target.read_word(pid, sp).unwrap_or(0);
             if !self.family.sampled(pid, ret, self.opts.stack_every) && !always {
                 return (ret, CallStack::CallerOnly(ret));
             }
@@ -452,7 +477,7 @@ impl Tracer {
             .get_mut(&pid)
             .and_then(|p| p.libunwind.as_mut());
         if let Some(libunwind) = libunwind {
-            let ret = mem.read_u64(sp).unwrap_or(0);
+            let ret = self.target.read_word(pid, sp).unwrap_or(0);
             let sample = StackSample {
                 ip: ret,
                 sp: sp + 8,
@@ -466,7 +491,7 @@ impl Tracer {
         let top = self.family.stack_top(tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
         let mut bytes = Vec::new();
-        if mem::read_mapped_into(pid, sp, len, &mut bytes).is_err() {
+        if self.target.read_data(pid, sp, len, &mut bytes).is_err() {
             bytes.clear();
         }
         let sample = StackSample {
@@ -489,12 +514,63 @@ impl Tracer {
     }
 }
 
+/// Resume a thread stopped at a breakpoint at `resume_at` (the displaced
+/// instruction, a stub, a probe), delivering `signals`.
+pub(super) fn redirect<T: Target>(
+    family: &Family,
+    target: &mut T,
+    tid: Tid,
+    mut regs: Regs,
+    resume_at: u64,
+    signals: &[i32],
+) -> std::io::Result<()> {
+    regs.rip = resume_at;
+    if target.set_regs(tid, &regs).is_err() {
+        return Ok(()); // gone
+    }
+    family.resume_with(target, tid, signals)
+}
+
+impl Family {
+    /// The pending call of `tid` that a stop at a return int3 with stack
+    /// pointer `rsp` completes. The stub's `call` pushed its return address
+    /// 16 bytes below the entry's stack pointer, and `ret` popped it.
+    pub fn returning_call(
+        &mut self,
+        stats: &mut TraceStats,
+        tid: Tid,
+        rsp: u64,
+    ) -> Option<PendingCall> {
+        let thread = self.threads.get_mut(&tid)?;
+        stats.lost_returns += thread.leave_handlers(rsp);
+        let ours = thread
+            .in_call
+            .as_ref()
+            .is_some_and(|c| c.entry_sp.wrapping_sub(8) == rsp);
+        if ours { thread.in_call.take() } else { None }
+    }
+}
+
 /// posix_memalign's block, stored through its first argument: read it while
 /// the thread is stopped at the return, before the caller can touch it.
-pub(super) fn stored_block(pid: Tid, call: &PendingCall, rax: u64) -> u64 {
+pub(super) fn stored_block_in<T: Target>(
+    target: &mut T,
+    pid: Tid,
+    call: &PendingCall,
+    rax: u64,
+) -> u64 {
     if call.op == Op::PosixMemalign && rax as u32 == 0 {
-        ProcessMemory(pid).read_u64(call.args[0]).unwrap_or(0)
+        target.read_word(pid, call.args[0]).unwrap_or(0)
     } else {
         0
     }
 }
+
+/// [`stored_block_in`] a live process (for the detach's stops).
+pub(super) fn stored_block(pid: Tid, call: &PendingCall, rax: u64) -> u64 {
+    stored_block_in(&mut Live, pid, call, rax)
+}
+
+#[cfg(test)]
+#[path = "calls_tests.rs"]
+mod tests;

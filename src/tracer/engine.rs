@@ -34,14 +34,15 @@ impl Tracer {
         self.finish_inventory(true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
         for pid in pids {
-            self.warn_if_unhooked(pid);
+            self.images().0.warn_if_unhooked(pid);
         }
         if failed && !self.family.threads.is_empty() {
             // Whatever went wrong, the program is not left with memptrace's
             // bytes in it (nor killed by memptrace's exit): let it go.
             let _ = self.detach_all();
         }
-        self.settle_all(false);
+        self.book
+            .settle_all(&mut self.family, &mut self.target, false);
         self.book
             .drain_rings(&mut self.family, &mut self.stats, true);
         let pids: Vec<Tid> = self.family.processes.keys().copied().collect();
@@ -50,7 +51,8 @@ impl Tracer {
         }
         self.stats.warn_let_through();
         if self.book.out.awaiting_copies() {
-            self.settle_finished();
+            self.book
+                .settle_finished(&mut self.family, &mut self.target);
         }
         Ok(self.book.out.send_ready(true)?)
     }
@@ -155,7 +157,8 @@ impl Tracer {
     /// While the pipeline is busy the batch grows instead (see [`outbox`]).
     pub(super) fn flush(&mut self) -> Result<(), TraceError> {
         if self.book.out.awaiting_copies() {
-            self.settle_finished();
+            self.book
+                .settle_finished(&mut self.family, &mut self.target);
         }
         Ok(self.book.out.send_ready(false)?)
     }
@@ -165,7 +168,8 @@ impl Tracer {
             return self.unknown(tid, stop);
         };
         if thread.copy.is_some() {
-            self.settle_at_stop(tid, &stop);
+            self.book
+                .settle_at_stop(&mut self.family, &mut self.target, tid, &stop);
         }
         let stopped = Stopped::of(stop);
         // Only calls and signals are served while the attach's heap is
@@ -176,12 +180,20 @@ impl Tracer {
         match stopped {
             Stopped::Gone => self.thread_gone(tid, stop),
             Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
-            Stopped::Trap => self.trap(tid),
-            Stopped::Fault(_) if self.copy_faulted(tid) => self.recover_copy(tid),
-            Stopped::Fault(sig) if self.jumps() => match self.walk_faulted(tid) {
-                Some(to) => self.recover_walk(tid, to),
-                None => self.resume(tid, sig),
-            },
+            Stopped::Trap => self.serve().trap(tid),
+            Stopped::Fault(_) if self.family.copy_faulted(&mut self.target, tid) => Ok(self
+                .family
+                .recover_copy(&mut self.target, &mut self.stats, tid)?),
+            Stopped::Fault(sig) if self.jumps() => {
+                match self.family.walk_faulted(&mut self.target, tid) {
+                    Some(to) => {
+                        Ok(self
+                            .family
+                            .recover_walk(&mut self.target, &mut self.stats, tid, to)?)
+                    }
+                    None => self.resume(tid, sig),
+                }
+            }
             Stopped::Fault(sig) | Stopped::Signal(sig) => {
                 Ok(self.family.deliver(&mut self.target, tid, sig)?)
             }
@@ -189,7 +201,11 @@ impl Tracer {
                 self.announce_child(tid, event, false)?;
                 self.resume(tid, 0)
             }
-            Stopped::Exec => self.exec(tid),
+            Stopped::Exec => {
+                let catch = self.catch();
+                let (mut images, target) = self.images();
+                images.exec(target, tid, catch)
+            }
             Stopped::Exiting => {
                 self.book
                     .release_slots(&mut self.family, &mut self.stats, tid);
@@ -215,8 +231,9 @@ impl Tracer {
         let held = self
             .heaps
             .finish_inventory(&mut self.book, &mut self.stats, wait);
+        let mut serve = self.serve();
         for call in held {
-            self.complete(call.op, &call.facts, call.stack, call.module_id);
+            serve.complete(call.op, &call.facts, call.stack, call.module_id);
         }
     }
 

@@ -1,25 +1,49 @@
 //! A process's images: found at exec and at every stop on the dynamic
 //! linker's hook, hooked, announced to the unwinders and the pipeline, and
 //! forgotten when unmapped or replaced by an exec.
+//!
+//! [`Images`] borrows, for one stop, what that needs of the tracer: the
+//! traced processes (their spaces and libunwind states), the booking (to
+//! number modules and send their rows) and the counts (images, hooks,
+//! warnings). It never stops or resumes a thread, except that an exec's
+//! stop ends here ([`Images::exec`], through the target it is handed).
 
-use super::process::{Process, Role};
+use super::booking::Booking;
+use super::process::{Family, Process, Role};
 use super::space::images::LoadedModule;
-use super::space::{Changes, Planted, Space};
-use super::{TraceError, Tracer};
+use super::space::{Catch, Changes, Planted, Space};
+use super::target::Target;
+use super::{TraceError, TraceOptions, TraceStats};
 use crate::os::ptrace::{self, Tid};
 use crate::sink::Record;
 use crate::trace_msg::TraceMsg;
 use crate::unwind::libunwind::LibunwindUnwinder;
 use crate::unwind::{Unwinder, UnwinderKind};
 
-impl Tracer {
-    pub(super) fn exec(&mut self, tid: Tid) -> Result<(), TraceError> {
+/// The tracer's parts that images concern, borrowed for one stop.
+pub(super) struct Images<'a> {
+    pub opts: &'a TraceOptions,
+    pub family: &'a mut Family,
+    pub book: &'a mut Booking,
+    pub stats: &'a mut TraceStats,
+}
+
+impl Images<'_> {
+    /// Thread `tid` exec'd: the old program's images and blocks go, a new
+    /// space is made (its calls caught as `catch` says) and hooked, and
+    /// the thread is resumed. A vfork child is let go instead.
+    pub fn exec<T: Target>(
+        &mut self,
+        target: &mut T,
+        tid: Tid,
+        catch: Catch,
+    ) -> Result<(), TraceError> {
         let pid = self.family.pid_of(tid).unwrap_or(tid);
         // Every other thread of the process is gone (`ptrace(2)`, "execve(2)
         // under ptrace"); the exec'ing thread now has the leader's tid.
         for t in self.family.threads_of(pid) {
             if t != tid {
-                self.settle_copy(t, false);
+                self.book.settle_copy(self.family, target, t, false);
                 self.family.threads.remove(&t);
             }
         }
@@ -33,20 +57,19 @@ impl Tracer {
         match role {
             Some(Role::Shares { .. }) if !self.opts.follow_forks => {
                 // A vfork child now has its own, clean, address space.
-                self.end_sharing(pid);
+                self.family.end_sharing(pid);
                 self.family.processes.remove(&pid);
                 self.family.threads.remove(&tid);
-                return Ok(ptrace::unless_gone(ptrace::detach(tid, 0))?);
+                return Ok(ptrace::unless_gone(target.detach(tid, 0))?);
             }
             Some(Role::Traced) => {
-                self.book
-                    .drain_process(&mut self.family, &mut self.stats, pid, true);
-                self.stats.count_probes(&mut self.family, pid);
-                self.forget_images(pid);
+                self.book.drain_process(self.family, self.stats, pid, true);
+                self.stats.count_probes(self.family, pid);
+                self.forget(pid);
                 // The exec released the old image's blocks: not leaks.
                 let alloc_ids = self.book.ledger.forget_process(pid as u32);
                 if !alloc_ids.is_empty() {
-                    let ts_ns = self.now_ns();
+                    let ts_ns = self.book.now_ns();
                     self.book.out.push(TraceMsg::Record(Record::ExecReleased {
                         pid: pid as u32,
                         ts_ns,
@@ -54,18 +77,18 @@ impl Tracer {
                     }));
                 }
             }
-            Some(Role::Shares { .. }) => self.end_sharing(pid),
+            Some(Role::Shares { .. }) => self.family.end_sharing(pid),
             _ => {}
         }
         // A new address space: what was known of the old one goes.
-        let space = Space::new(pid, self.catch())?;
+        let space = Space::new(pid, catch)?;
         self.family
             .processes
             .entry(pid)
             .or_insert_with(|| Process::new(Role::Traced, None))
             .exec(space);
-        self.send_thread(tid, None);
-        let signals = self.refresh_images(pid, tid)?;
+        self.book.send_thread(self.family, tid, None);
+        let signals = self.refresh(pid, tid)?;
         // A static executable has all its code now: nothing to hook is
         // nothing to record, and the user must hear of it. (A dynamic one
         // is judged when it ends, its libraries loaded.)
@@ -77,12 +100,12 @@ impl Tracer {
         if is_static {
             self.warn_if_unhooked(pid);
         }
-        self.resume_with(tid, signals)
+        Ok(self.family.resume_with(target, tid, &signals)?)
     }
 
     /// Warn, once per process, when a traced process has no allocator
     /// function memptrace could hook: its calls are not recorded.
-    pub(super) fn warn_if_unhooked(&mut self, pid: Tid) {
+    pub fn warn_if_unhooked(&mut self, pid: Tid) {
         let Some(process) = self.family.processes.get_mut(&pid) else {
             return;
         };
@@ -112,7 +135,7 @@ impl Tracer {
 
     /// Re-read the process's images, hook new ones and tell the pipeline.
     /// Returns signals that arrived while system calls were injected.
-    pub(super) fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
+    pub fn refresh(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
         let Some(space) = self
             .family
             .processes
@@ -124,6 +147,19 @@ impl Tracer {
         let changes = space.refresh(tid, &mut self.book.next_module_id)?;
         let hooked = space.hooks.allocators() as u64;
         let areas = space.area_ranges();
+        self.apply(pid, changes, hooked, areas)
+    }
+
+    /// Tell the pipeline and the unwinders what a refresh changed
+    /// (`hooked`: the space's allocator functions hooked now; `areas`: its
+    /// trampoline areas).
+    fn apply(
+        &mut self,
+        pid: Tid,
+        changes: Changes,
+        hooked: u64,
+        areas: Vec<std::ops::Range<u64>>,
+    ) -> Result<Vec<i32>, TraceError> {
         let Changes {
             added,
             removed,
@@ -131,14 +167,14 @@ impl Tracer {
             warnings,
             planted,
         } = changes;
-        self.note_planted(pid, planted);
-        self.send(TraceMsg::Trampolines {
+        self.stats.note_planted(pid, planted);
+        self.book.send(TraceMsg::Trampolines {
             pid: pid as u32,
             areas,
         });
-        let now = self.now_ns();
+        let now = self.book.now_ns();
         for module in removed {
-            self.send(TraceMsg::ImageGone {
+            self.book.send(TraceMsg::ImageGone {
                 pid: pid as u32,
                 module_id: module.id,
                 range: module.range.clone(),
@@ -155,7 +191,7 @@ impl Tracer {
         }
         for module in added {
             self.stats.images += 1;
-            self.announce_image(pid, &module, now);
+            self.announce(pid, &module, now);
         }
         self.stats.hooked_functions = self.stats.hooked_functions.max(hooked);
         // Once per run: a child forked or exec'd maps the same images.
@@ -167,38 +203,21 @@ impl Tracer {
         Ok(signals)
     }
 
-    /// Keep how process `pid` hooked its allocator functions, for `meta`:
-    /// where another process hooked the same function another way (an
-    /// exec'd program, a child), the row says both.
-    pub(super) fn note_planted(&mut self, pid: Tid, planted: Vec<Planted>) {
-        for p in planted {
-            let image = crate::util::file_name(&p.module).to_string();
-            let this = p.how.to_string();
-            for op in p.ops {
-                let key = format!("{image}:{op}");
-                match self.stats.probes.iter_mut().find(|(k, _)| *k == key) {
-                    None => self.stats.probes.push((key, this.clone())),
-                    Some((_, how)) if noted(how, &this) => {}
-                    Some((_, how)) => *how = format!("{how}; in process {pid}: {this}"),
-                }
-            }
-        }
-    }
-
     /// Tell the unwinders and the pipeline about an image of process `pid`.
-    pub(super) fn announce_image(&mut self, pid: Tid, module: &LoadedModule, now: u64) {
+    pub fn announce(&mut self, pid: Tid, module: &LoadedModule, now: u64) {
         let mapped = module.mapped();
         if let Some(lu) = self.libunwind_of(pid) {
             lu.add_image(&mapped);
         }
-        self.send(TraceMsg::Image {
+        self.book.send(TraceMsg::Image {
             pid: pid as u32,
             mapped,
             record: module.record(pid, now),
         });
     }
 
-    fn forget_images(&mut self, pid: Tid) {
+    /// Every image of process `pid` is gone (an exec replaced them).
+    fn forget(&mut self, pid: Tid) {
         let Some(space) = self
             .family
             .processes
@@ -207,7 +226,7 @@ impl Tracer {
         else {
             return;
         };
-        let now = self.now_ns();
+        let now = self.book.now_ns();
         let gone: Vec<TraceMsg> = space
             .modules
             .values()
@@ -244,8 +263,28 @@ impl Tracer {
     }
 }
 
+impl TraceStats {
+    /// Keep how process `pid` hooked its allocator functions, for `meta`:
+    /// where another process hooked the same function another way (an
+    /// exec'd program, a child), the row says both.
+    pub(super) fn note_planted(&mut self, pid: Tid, planted: Vec<Planted>) {
+        for p in planted {
+            let image = crate::util::file_name(&p.module).to_string();
+            let this = p.how.to_string();
+            for op in p.ops {
+                let key = format!("{image}:{op}");
+                match self.probes.iter_mut().find(|(k, _)| *k == key) {
+                    None => self.probes.push((key, this.clone())),
+                    Some((_, how)) if noted(how, &this) => {}
+                    Some((_, how)) => *how = format!("{how}; in process {pid}: {this}"),
+                }
+            }
+        }
+    }
+}
+
 /// True when the `meta` value `how` says `this` already (see
-/// [`Tracer::note_planted`]).
+/// [`TraceStats::note_planted`]).
 fn noted(how: &str, this: &str) -> bool {
     how.split("; ")
         .any(|part| part == this || part.ends_with(&format!(": {this}")))
@@ -253,7 +292,163 @@ fn noted(how: &str, this: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::noted;
+    use super::*;
+    use crate::queue::Receiver;
+    use crate::tracer::space::How;
+    use crate::tracer::space::fake::{AREA, AREA_LEN, FakeSpace, PID};
+
+    /// The fake space's process, traced, with what images need of the
+    /// tracer.
+    struct Rig {
+        opts: TraceOptions,
+        family: Family,
+        book: Booking,
+        rx: Receiver<Vec<TraceMsg>>,
+        stats: TraceStats,
+    }
+
+    impl Rig {
+        fn new(fake: FakeSpace) -> Rig {
+            let (book, rx) = Booking::for_tests(None);
+            Rig {
+                opts: TraceOptions::for_tests(true),
+                family: Family::of_one(PID, fake.space),
+                book,
+                rx,
+                stats: TraceStats::default(),
+            }
+        }
+
+        fn images(&mut self) -> Images<'_> {
+            Images {
+                opts: &self.opts,
+                family: &mut self.family,
+                book: &mut self.book,
+                stats: &mut self.stats,
+            }
+        }
+
+        fn sent(&mut self) -> Vec<TraceMsg> {
+            self.book.out.send_ready(true).unwrap();
+            self.rx.recv().expect("a batch").0
+        }
+    }
+
+    #[test]
+    fn a_refresh_is_sent_counted_and_noted() {
+        let mut fake = FakeSpace::libc(true);
+        let mut changes = fake.hook();
+        let module = fake.module.clone();
+        let planted = changes.planted.len() as u64;
+        changes.added.push(module.clone());
+        changes.signals.push(libc::SIGUSR1);
+        changes.warnings = vec!["w".to_string(), "w".to_string()];
+        let areas = fake.space.area_ranges();
+        let mut rig = Rig::new(fake);
+        let mut images = rig.images();
+        let signals = images.apply(PID, changes, planted, areas).unwrap();
+        assert_eq!(signals, [libc::SIGUSR1]);
+        assert_eq!((rig.stats.images, rig.stats.hooked_functions), (1, planted));
+        assert_eq!(rig.stats.warnings, ["w"]);
+        let malloc = rig
+            .stats
+            .probes
+            .iter()
+            .find(|(k, _)| k == "libc.so.6:malloc");
+        assert_eq!(malloc.map(|(_, how)| how.as_str()), Some("int3"));
+        let msgs = rig.sent();
+        assert!(matches!(
+            &msgs[..],
+            [TraceMsg::Trampolines { pid, areas }, TraceMsg::Image { record, .. }]
+                if *pid == PID as u32 && areas[0] == (AREA..AREA + AREA_LEN) && record.id == module.id
+        ));
+    }
+
+    #[test]
+    fn a_removed_image_is_said_gone() {
+        let fake = FakeSpace::libc(false);
+        let module = fake.module.clone();
+        let changes = Changes {
+            removed: vec![module.clone()],
+            ..Changes::default()
+        };
+        let mut rig = Rig::new(fake);
+        let mut images = rig.images();
+        images.apply(PID, changes, 0, Vec::new()).unwrap();
+        // And every image at once, when the program execs.
+        images.forget(PID);
+        let gone: Vec<u64> = rig
+            .sent()
+            .iter()
+            .filter_map(|m| match m {
+                TraceMsg::ImageGone {
+                    module_id, range, ..
+                } if *range == module.range => Some(*module_id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gone, [module.id, module.id]);
+        assert_eq!(rig.stats.images, 0);
+    }
+
+    #[test]
+    fn a_program_with_nothing_hooked_is_warned_of_once() {
+        let mut rig = Rig::new(FakeSpace::libc(false));
+        let mut images = rig.images();
+        images.warn_if_unhooked(PID);
+        images.warn_if_unhooked(PID);
+        // Nor a process memptrace does not know.
+        images.warn_if_unhooked(PID + 1);
+        assert_eq!(rig.stats.warnings.len(), 1);
+        assert!(
+            rig.stats.warnings[0].starts_with(&format!("process {PID}: no allocator function"))
+        );
+    }
+
+    #[test]
+    fn a_seccomp_refusal_is_the_reason_given() {
+        let mut fake = FakeSpace::libc(false);
+        fake.space.refused = Some("mmap".to_string());
+        let mut rig = Rig::new(fake);
+        rig.images().warn_if_unhooked(PID);
+        assert_eq!(rig.stats.warnings.len(), 1);
+        assert!(rig.stats.warnings[0].contains("seccomp filter may refuse (mmap)"));
+    }
+
+    #[test]
+    fn a_hooked_program_or_a_vfork_child_is_not_warned_of() {
+        let mut fake = FakeSpace::libc(true);
+        fake.hook();
+        let mut rig = Rig::new(fake);
+        rig.family
+            .processes
+            .insert(PID + 1, Process::new(Role::Shares { parent: PID }, None));
+        let mut images = rig.images();
+        images.warn_if_unhooked(PID);
+        images.warn_if_unhooked(PID + 1);
+        assert!(rig.stats.warnings.is_empty());
+    }
+
+    #[test]
+    fn a_function_hooked_another_way_elsewhere_says_both() {
+        let planted = |how: How| Planted {
+            module: "/lib/libc.so.6".to_string(),
+            ops: vec!["malloc"],
+            how,
+        };
+        let mut stats = TraceStats::default();
+        stats.note_planted(7, vec![planted(How::Jump)]);
+        stats.note_planted(8, vec![planted(How::Jump)]);
+        stats.note_planted(9, vec![planted(How::Int3(None))]);
+        stats.note_planted(10, vec![planted(How::Int3(None))]);
+        assert_eq!(
+            stats.probes,
+            [(
+                "libc.so.6:malloc".to_string(),
+                "jump; in process 9: int3".to_string()
+            )]
+        );
+    }
 
     #[test]
     fn a_way_of_hooking_is_noted_once() {

@@ -60,6 +60,8 @@ use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
+use calls::Serve;
+use images::Images;
 use merge::TscClock;
 use outbox::Outbox;
 use process::{Family, Process, Role};
@@ -103,6 +105,23 @@ pub struct TraceOptions {
     pub follow_forks: bool,
     /// Detach once this much time has passed (`attach --duration`).
     pub duration: Option<Duration>,
+}
+
+#[cfg(test)]
+impl TraceOptions {
+    /// Options for unit tests: int3 probes, stacks (`stacks`) of every
+    /// call unwound by framehop.
+    pub(crate) fn for_tests(stacks: bool) -> TraceOptions {
+        TraceOptions {
+            probes: ProbeMode::Int3,
+            max_depth: 8,
+            unwinder: UnwinderKind::Framehop,
+            stacks,
+            stack_every: 1,
+            follow_forks: false,
+            duration: None,
+        }
+    }
 }
 
 /// How a trace ended.
@@ -311,7 +330,7 @@ impl Tracer {
             }
         } else {
             Catch::Int3 {
-                buffers: self.copies_wanted(),
+                buffers: copies::wanted(&self.opts),
             }
         }
     }
@@ -363,14 +382,101 @@ impl Tracer {
         Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
     }
 
+    /// The parts images concern (see [`images`]), and the target.
+    fn images(&mut self) -> (Images<'_>, &mut Live) {
+        let images = Images {
+            opts: &self.opts,
+            family: &mut self.family,
+            book: &mut self.book,
+            stats: &mut self.stats,
+        };
+        (images, &mut self.target)
+    }
+
+    /// The parts serving a breakpoint stop concerns (see [`calls`]).
+    fn serve(&mut self) -> Serve<'_, Live> {
+        Serve {
+            opts: &self.opts,
+            family: &mut self.family,
+            book: &mut self.book,
+            heaps: &mut self.heaps,
+            stats: &mut self.stats,
+            target: &mut self.target,
+        }
+    }
+
+    /// Forwards for the lifecycle's files (see [`calls`], [`copies`],
+    /// [`images`], [`jumps`]).
+    fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<process::PendingCall> {
+        self.family.returning_call(&mut self.stats, tid, rsp)
+    }
+
+    fn record_return(
+        &mut self,
+        pid: Tid,
+        tid: Tid,
+        call: process::PendingCall,
+        rax: u64,
+        stored: u64,
+    ) {
+        self.serve().record_return(pid, tid, call, rax, stored);
+    }
+
+    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
+        self.images().0.refresh(pid, tid)
+    }
+
+    fn note_planted(&mut self, pid: Tid, planted: Vec<space::Planted>) {
+        self.stats.note_planted(pid, planted);
+    }
+
+    fn announce_image(&mut self, pid: Tid, module: &space::images::LoadedModule, now: u64) {
+        self.images().0.announce(pid, module, now);
+    }
+
+    fn walk_faulted(&mut self, tid: Tid) -> Option<u64> {
+        self.family.walk_faulted(&mut self.target, tid)
+    }
+
+    fn step_over_patch(&mut self, tid: Tid) -> Result<(), TraceError> {
+        Ok(self.family.step_over_patch(&mut self.target, tid)?)
+    }
+
+    fn end_sharing(&mut self, pid: Tid) {
+        self.family.end_sharing(pid);
+    }
+
+    fn pause_slots(&mut self, tid: Tid, paused: bool) {
+        self.family.pause_slots(tid, paused);
+    }
+
+    fn settle_copy(&mut self, tid: Tid, readable: bool) {
+        self.book
+            .settle_copy(&mut self.family, &mut self.target, tid, readable);
+    }
+
+    fn settle_all(&mut self, readable: bool) {
+        self.book
+            .settle_all(&mut self.family, &mut self.target, readable);
+    }
+
+    fn copy_faulted(&mut self, tid: Tid) -> bool {
+        self.family.copy_faulted(&mut self.target, tid)
+    }
+
+    fn note_copy_fault(&mut self, tid: Tid) {
+        self.family.note_copy_fault(&mut self.stats, tid);
+    }
+
     fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        self.settle_copy(tid, false);
+        self.book
+            .settle_copy(&mut self.family, &mut self.target, tid, false);
         self.stops.forget(tid);
         if let Some(b) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
             b.release(tid);
         }
         if self.family.pid_of(tid) == Some(tid) {
-            self.end_sharing(tid);
+            self.family.end_sharing(tid);
         }
         let Some(mut thread) = self.family.threads.remove(&tid) else {
             return Ok(());
@@ -388,12 +494,13 @@ impl Tracer {
             return Ok(());
         }
         // The leader's exit is reported last: the whole process is gone.
-        self.warn_if_unhooked(tid);
+        self.images().0.warn_if_unhooked(tid);
         self.book
             .drain_process(&mut self.family, &mut self.stats, tid, true);
         self.stats.count_probes(&mut self.family, tid);
         for t in self.family.threads_of(tid) {
-            self.settle_copy(t, false);
+            self.book
+                .settle_copy(&mut self.family, &mut self.target, t, false);
             self.family.threads.remove(&t);
         }
         if let Some(process) = self.family.processes.remove(&tid) {

@@ -317,6 +317,18 @@ pub fn mapping_at(pid: Tid, sp: u64) -> Option<std::ops::Range<u64>> {
 }
 
 #[cfg(test)]
+impl Family {
+    /// For unit tests: process `pid` traced in `space`, with no thread.
+    pub fn of_one(pid: Tid, space: Space) -> Family {
+        let mut family = Family::default();
+        family
+            .processes
+            .insert(pid, Process::new(Role::Traced, Some(space)));
+        family
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
+use super::buffers::StackBuffers;
 use super::images::LoadedModule;
 use super::{Catch, Changes, Probing, Space};
 use crate::addr::{LoadBias, Svma};
@@ -37,6 +38,14 @@ pub fn libc_image() -> Arc<ElfImage> {
             Arc::new(ElfImage::parse(&path, &bytes).unwrap())
         })
         .clone()
+}
+
+/// An int3 space of process `pid` with no image in it, on `mem`, whose
+/// threads copy their own stacks into `buffers`.
+pub fn with_buffers(pid: Tid, mem: FakeMemory, buffers: StackBuffers) -> Space {
+    let mut probing = Probing::new(Catch::Int3 { buffers: true }, || false);
+    probing.set_buffers(Some(buffers));
+    Space::with_memory(pid, Box::new(mem), None, probing)
 }
 
 /// A fake space and what it was made of.

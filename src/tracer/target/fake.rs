@@ -201,6 +201,19 @@ impl Target for FakeTarget {
         Ok(())
     }
 
+    fn read_data(&mut self, pid: Tid, addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()> {
+        out.clear();
+        out.resize(len, 0);
+        // As far as it is mapped: nothing, if nothing is.
+        let n = self.memory(pid).read(addr, out)?;
+        out.truncate(n);
+        Ok(())
+    }
+
+    fn read_word(&mut self, pid: Tid, addr: u64) -> io::Result<u64> {
+        self.memory(pid).read_u64(addr)
+    }
+
     fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
         self.memory(pid).write_code(addr, bytes)?;
         self.calls.push(Call::WriteData(pid, addr, bytes.to_vec()));

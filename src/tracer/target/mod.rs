@@ -60,6 +60,11 @@ pub trait Target {
     fn interrupt(&mut self, tid: Tid) -> io::Result<()>;
     /// Let a stopped thread go, delivering `sig` (PTRACE_DETACH).
     fn detach(&mut self, tid: Tid, sig: i32) -> io::Result<()>;
+    /// Read `len` bytes of process `pid`'s memory at `addr` into `out` (a
+    /// stack), as far as they are mapped; the thread need not be stopped.
+    fn read_data(&mut self, pid: Tid, addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()>;
+    /// The word at `addr` in process `pid`'s memory (a return address).
+    fn read_word(&mut self, pid: Tid, addr: u64) -> io::Result<u64>;
     /// Write `bytes` into writable memory of process `pid` (a stack slot).
     fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()>;
     /// The code memory of process `pid`, to read it and write probes.
@@ -101,6 +106,14 @@ impl Target for Live {
 
     fn detach(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
         ptrace::detach(tid, sig)
+    }
+
+    fn read_data(&mut self, pid: Tid, addr: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()> {
+        mem::read_mapped_into(pid, addr, len, out)
+    }
+
+    fn read_word(&mut self, pid: Tid, addr: u64) -> io::Result<u64> {
+        mem::ProcessMemory(pid).read_u64(addr)
     }
 
     fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
