@@ -316,6 +316,22 @@ pub fn mapping_at(pid: Tid, sp: u64) -> Option<std::ops::Range<u64>> {
     Some(m.start..m.end)
 }
 
+/// For tests of the parts that serve a family on the fake target.
+#[cfg(test)]
+impl Family {
+    /// One traced process `pid` in `space`, with the threads `tids`.
+    pub fn of_one(pid: Tid, space: Space, tids: &[Tid]) -> Family {
+        let mut family = Family::default();
+        family
+            .processes
+            .insert(pid, Process::new(Role::Traced, Some(space)));
+        for &tid in tids {
+            family.threads.insert(tid, Thread::new(pid, 0));
+        }
+        family
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,12 +16,12 @@ use std::time::Instant;
 
 use super::inject::InjectError;
 use super::pauses::PauseClock;
-use super::process::Role;
+use super::process::{Family, Role};
 use super::space::SpaceError;
 use super::stop::Stopped;
 use super::stopping::Stopping;
 use super::target::Target;
-use super::{TraceError, Tracer};
+use super::{TraceError, TraceStats, Tracer};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
 use leave::Pending;
@@ -102,7 +102,7 @@ impl Tracer {
             // A vfork parent waits in the kernel until its child execs or
             // exits, and cannot stop before: it is detached last, once the
             // child runs again (see `restore_and_release`).
-            let parents = self.vfork_parents();
+            let parents = self.family.vfork_parents();
             let blocked = |t: &Tid| parents.contains(t);
             if waiting.iter().all(blocked) && self.family.announced.is_empty() {
                 break;
@@ -140,16 +140,6 @@ impl Tracer {
         let late: HashSet<Tid> = waiting.difference(&stuck).copied().collect();
         pause.lap("stop");
         self.restore_and_release(deliver, &stuck, &late, Some(pause))
-    }
-
-    /// Threads blocked in a vfork until their child execs or exits.
-    fn vfork_parents(&self) -> HashSet<Tid> {
-        self.family
-            .processes
-            .values()
-            .filter(|p| matches!(p.role, Role::Shares { .. }))
-            .filter_map(|p| p.paused)
-            .collect()
     }
 
     /// Put back what was changed, then detach every thread: return addresses,
@@ -305,7 +295,7 @@ impl Tracer {
                 }
             }
             if keep_pages.contains(&pid) || workers.is_empty() {
-                self.left_mapped(pid, None);
+                self.stats.left_mapped(pid, None);
                 continue;
             }
             let mut last_error = None;
@@ -334,7 +324,7 @@ impl Tracer {
                 }
             }
             if let Some(err) = last_error {
-                self.left_mapped(pid, Some(err.to_string()));
+                self.stats.left_mapped(pid, Some(err.to_string()));
             }
         }
         lap("restore");
@@ -451,7 +441,7 @@ impl Tracer {
                                     deferred.remove(&pid);
                                 }
                                 Err(err) => {
-                                    self.left_mapped(pid, Some(err.to_string()));
+                                    self.stats.left_mapped(pid, Some(err.to_string()));
                                     deferred.remove(&pid);
                                 }
                             }
@@ -472,21 +462,34 @@ impl Tracer {
             }
         }
         for pid in deferred.into_keys() {
-            self.left_mapped(pid, None);
+            self.stats.left_mapped(pid, None);
         }
     }
+}
 
+impl Family {
+    /// Threads blocked in a vfork until their child execs or exits.
+    pub fn vfork_parents(&self) -> HashSet<Tid> {
+        self.processes
+            .values()
+            .filter(|p| matches!(p.role, Role::Shares { .. }))
+            .filter_map(|p| p.paused)
+            .collect()
+    }
+}
+
+impl TraceStats {
     /// Process `pid`'s trampoline pages could not be unmapped (`why`): a
     /// warning, unless the process is gone or dying (its memory goes with
     /// it: a backend of a forking server that ended during the detach).
-    fn left_mapped(&mut self, pid: Tid, why: Option<String>) {
+    pub fn left_mapped(&mut self, pid: Tid, why: Option<String>) {
         let dying = procfs::threads(pid)
             .map(|threads| threads.iter().all(|&t| procfs::thread_ending(pid, t)))
             .unwrap_or(true);
         if dying {
             return;
         }
-        self.stats.warnings.push(match why {
+        self.warnings.push(match why {
             Some(why) => format!("process {pid}: trampoline pages left mapped: {why}"),
             None => format!("process {pid}: trampoline pages left mapped"),
         });
