@@ -70,12 +70,7 @@ impl Tracer {
                 self.resume_from(tid, first)
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
-            Child::Fork { parent } => Ok(self.family.release_fork(
-                &mut self.target,
-                tid,
-                parent,
-                &mut self.stats.warnings,
-            )?),
+            Child::Fork { parent } => self.let_fork_go(tid, parent),
             Child::Shared { parent, by } => {
                 let mut process = Process::new(Role::Shares { parent }, None);
                 process.paused = Some(by);
@@ -89,18 +84,8 @@ impl Tracer {
 
     /// A forked child, at its first stop: trace it as its parent was traced.
     fn follow_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
-        let Some(space) = self
-            .family
-            .processes
-            .get(&parent)
-            .and_then(|p| p.space.as_ref())
-        else {
-            return Ok(self.family.release_fork(
-                &mut self.target,
-                tid,
-                parent,
-                &mut self.stats.warnings,
-            )?);
+        let Some(space) = self.family.space(parent) else {
+            return self.let_fork_go(tid, parent);
         };
         let mut copy = space.fork_copy(tid, &mut self.book.next_module_id)?;
         if let Some(control) = space.control() {
@@ -121,12 +106,7 @@ impl Tracer {
                         self.stats.warnings.push(format!(
                             "process {tid}: its calls cannot be recorded apart from its parent's ({err}), nor caught by int3 probes ({again}); it is released"
                         ));
-                        return Ok(self.family.release_fork(
-                            &mut self.target,
-                            tid,
-                            parent,
-                            &mut self.stats.warnings,
-                        )?);
+                        return self.let_fork_go(tid, parent);
                     }
                 }
             }
@@ -149,6 +129,14 @@ impl Tracer {
             .insert(tid, Process::new(Role::Traced, Some(copy)));
         self.add_thread(tid, tid);
         self.resume(tid, 0)
+    }
+
+    /// A forked child not to be traced, let go (see [`Family::release_fork`]).
+    fn let_fork_go(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let warnings = &mut self.stats.warnings;
+        Ok(self
+            .family
+            .release_fork(&mut self.target, tid, parent, warnings)?)
     }
 }
 
@@ -192,8 +180,7 @@ impl Family {
         warnings: &mut Vec<String>,
     ) -> std::io::Result<()> {
         let mut deliver = 0;
-        let space = self.processes.get(&parent).and_then(|p| p.space.as_ref());
-        if let Some(space) = space {
+        if let Some(space) = self.space(parent) {
             let cleaned = target
                 .code(tid)
                 .and_then(|mem| space.put_back_into(&*mem))

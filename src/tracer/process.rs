@@ -216,14 +216,23 @@ impl Family {
         })
     }
 
+    /// The address space of process `pid`, if it has one of its own.
+    pub fn space(&self, pid: Tid) -> Option<&Space> {
+        self.processes.get(&pid)?.space.as_ref()
+    }
+
+    pub fn space_mut(&mut self, pid: Tid) -> Option<&mut Space> {
+        self.processes.get_mut(&pid)?.space.as_mut()
+    }
+
     /// The address space the thread runs in.
     pub fn space_of(&self, tid: Tid) -> Option<&Space> {
-        self.processes.get(&self.owner_of(tid)?)?.space.as_ref()
+        self.space(self.owner_of(tid)?)
     }
 
     pub fn space_of_mut(&mut self, tid: Tid) -> Option<&mut Space> {
         let owner = self.owner_of(tid)?;
-        self.processes.get_mut(&owner)?.space.as_mut()
+        self.space_mut(owner)
     }
 
     /// Process `pid` is traced in an address space of its own: launched and

@@ -133,12 +133,7 @@ impl<T: Target> Release<'_, T> {
                 })
                 .collect();
             workers.sort_by_key(|&t| t != pid);
-            let Some(space) = self
-                .family
-                .processes
-                .get_mut(&pid)
-                .and_then(|p| p.space.as_mut())
-            else {
+            let Some(space) = self.family.space_mut(pid) else {
                 continue;
             };
             space.restore_all()?;
