@@ -20,7 +20,7 @@ use super::space::Space;
 use super::space::images::Ahead;
 use super::stop::Stopped;
 use super::stopping::Stopping;
-use super::{Progress, TraceError, TraceOptions, Tracer};
+use super::{Control, Progress, TraceError, TraceOptions, Tracer};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::pipeline::PipelineHandle;
@@ -208,7 +208,7 @@ impl Tracer {
         // Children announced by a birth are waited for too: a vfork child
         // must be held (and may have to run the injected calls).
         while !waiting.is_empty() || !self.family.announced.is_empty() {
-            self.hold(&resume);
+            self.control.hold(&resume);
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(tid) => {
@@ -268,10 +268,12 @@ impl Tracer {
                 }
             }
         }
-        self.hold(&resume);
+        self.control.hold(&resume);
         Ok(resume)
     }
+}
 
+impl Control {
     /// Remember the threads stopped so far, so that letting go of them on
     /// an error does not wait for stops already seen.
     fn hold(&mut self, resume: &HashMap<Tid, Resume>) {
@@ -280,7 +282,7 @@ impl Tracer {
                 Resume::Cont(sig) => *sig,
                 Resume::Listen => 0,
             };
-            self.control.held.insert(tid, sig);
+            self.held.insert(tid, sig);
         }
     }
 }

@@ -8,8 +8,9 @@
 //! and loses the pages before it runs a single instruction; followed, it gets
 //! a copy of its parent's [`Space`] with modules of its own.
 
-use super::process::{Child, Process, Role, Thread};
+use super::process::{Child, Family, Process, Role, Thread};
 use super::space::Space;
+use super::target::Target;
 use super::{TraceError, Tracer, detach};
 use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
@@ -69,7 +70,7 @@ impl Tracer {
                 self.resume_from(tid, first)
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
-            Child::Fork { parent } => self.release_fork(tid, parent),
+            Child::Fork { parent } => self.let_fork_go(tid, parent),
             Child::Shared { parent, by } => {
                 let mut process = Process::new(Role::Shares { parent }, None);
                 process.paused = Some(by);
@@ -81,46 +82,10 @@ impl Tracer {
         }
     }
 
-    /// Children still running in the memory of a process that is gone (a
-    /// clone with CLONE_VM that outlived it) get the original code back
-    /// through the dead process's open /proc/PID/mem, which still holds the
-    /// shared memory, and are released.
-    pub(super) fn release_sharers(&mut self, pid: Tid, mut space: Space) -> Result<(), TraceError> {
-        let sharers: Vec<Tid> = self
-            .family
-            .processes
-            .iter()
-            .filter(|(_, p)| p.role == Role::Shares { parent: pid })
-            .map(|(child, _)| *child)
-            .collect();
-        if sharers.is_empty() {
-            return Ok(());
-        }
-        if let Err(err) = space.restore_all() {
-            self.stats
-                .warnings
-                .push(format!("restoring code shared with {sharers:?}: {err}"));
-        }
-        for child in sharers {
-            self.family.processes.remove(&child);
-            for t in self.family.threads_of(child) {
-                self.family.threads.remove(&t);
-                // It is running: PTRACE_DETACH needs a stop first.
-                detach::detach_running(t);
-            }
-        }
-        Ok(())
-    }
-
     /// A forked child, at its first stop: trace it as its parent was traced.
     fn follow_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
-        let Some(space) = self
-            .family
-            .processes
-            .get(&parent)
-            .and_then(|p| p.space.as_ref())
-        else {
-            return self.release_fork(tid, parent);
+        let Some(space) = self.family.space(parent) else {
+            return self.let_fork_go(tid, parent);
         };
         let mut copy = space.fork_copy(tid, &mut self.book.next_module_id)?;
         if let Some(control) = space.control() {
@@ -141,7 +106,7 @@ impl Tracer {
                         self.stats.warnings.push(format!(
                             "process {tid}: its calls cannot be recorded apart from its parent's ({err}), nor caught by int3 probes ({again}); it is released"
                         ));
-                        return self.release_fork(tid, parent);
+                        return self.let_fork_go(tid, parent);
                     }
                 }
             }
@@ -166,18 +131,59 @@ impl Tracer {
         self.resume(tid, 0)
     }
 
-    /// A forked child not to be traced: put the original bytes back in its
-    /// copy of memory, unmap its copies of the trampoline pages, let it go.
-    fn release_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
-        let mut deliver = 0;
-        let space = self
+    /// A forked child not to be traced, let go (see [`Family::release_fork`]).
+    fn let_fork_go(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let warnings = &mut self.stats.warnings;
+        Ok(self
             .family
+            .release_fork(&mut self.target, tid, parent, warnings)?)
+    }
+}
+
+impl Family {
+    /// Children still running in the memory of a process that is gone (a
+    /// clone with CLONE_VM that outlived it) get the original code back
+    /// through the dead process's open /proc/PID/mem, which still holds the
+    /// shared memory, and are released.
+    pub fn release_sharers(&mut self, pid: Tid, mut space: Space, warnings: &mut Vec<String>) {
+        let sharers: Vec<Tid> = self
             .processes
-            .get(&parent)
-            .and_then(|p| p.space.as_ref());
-        if let Some(space) = space {
-            let cleaned = space
-                .restore_into(tid)
+            .iter()
+            .filter(|(_, p)| p.role == Role::Shares { parent: pid })
+            .map(|(child, _)| *child)
+            .collect();
+        if sharers.is_empty() {
+            return;
+        }
+        if let Err(err) = space.restore_all() {
+            warnings.push(format!("restoring code shared with {sharers:?}: {err}"));
+        }
+        for child in sharers {
+            self.processes.remove(&child);
+            for t in self.threads_of(child) {
+                self.threads.remove(&t);
+                // It is running: PTRACE_DETACH needs a stop first.
+                detach::detach_running(t);
+            }
+        }
+    }
+
+    /// A forked child not to be traced: put the original bytes of
+    /// `parent`'s probes back in its copy of memory, unmap its copies of
+    /// the trampoline pages, let it go. What could not be cleaned is a
+    /// warning.
+    pub fn release_fork<T: Target>(
+        &self,
+        target: &mut T,
+        tid: Tid,
+        parent: Tid,
+        warnings: &mut Vec<String>,
+    ) -> std::io::Result<()> {
+        let mut deliver = 0;
+        if let Some(space) = self.space(parent) {
+            let cleaned = target
+                .code(tid)
+                .and_then(|mem| space.put_back_into(&*mem))
                 .map_err(|e| e.to_string())
                 .and_then(|()| space.unmap_areas_in(tid).map_err(|e| e.to_string()));
             match cleaned {
@@ -190,12 +196,72 @@ impl Tracer {
                         }
                     }
                 }
-                Err(err) => self
-                    .stats
-                    .warnings
-                    .push(format!("cleaning code in child {tid}: {err}")),
+                Err(err) => warnings.push(format!("cleaning code in child {tid}: {err}")),
             }
         }
-        Ok(ptrace::unless_gone(ptrace::detach(tid, deliver))?)
+        ptrace::unless_gone(target.detach(tid, deliver))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tracer::space::fake::{FakeSpace, PID};
+    use crate::tracer::target::fake::{Call, FakeTarget};
+
+    const CHILD: Tid = PID + 10;
+
+    #[test]
+    fn a_released_fork_gets_the_original_code_back_and_is_let_go() {
+        let mut fake = FakeSpace::libc(true);
+        fake.hook();
+        let mut target = FakeTarget::new();
+        // The child's copy of its parent's memory, probes included.
+        let child = target.memory(CHILD);
+        for (at, orig) in &fake.code {
+            child.map(*at, fake.mem.bytes(*at, orig.len()));
+        }
+        assert!(!fake.changed_code().is_empty());
+        // No image to find a system call in: the trampoline pages cannot
+        // be unmapped, which is said.
+        fake.space.modules.clear();
+        target.stopped_at(CHILD, 0x1000, 0x7000);
+        let FakeSpace {
+            space, mem, code, ..
+        } = fake;
+        let family = Family::of_one(PID, space, &[PID]);
+        let mut warnings = Vec::new();
+        family
+            .release_fork(&mut target, CHILD, PID, &mut warnings)
+            .unwrap();
+        for (at, orig) in &code {
+            assert_eq!(&child.bytes(*at, orig.len()), orig, "code at {at:#x}");
+        }
+        assert_eq!(target.calls, vec![Call::Detach(CHILD, 0)]);
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].starts_with(&format!("cleaning code in child {CHILD}")));
+        // The parent's code is its own: still hooked.
+        let hooked = |(at, orig): &(u64, Vec<u8>)| mem.bytes(*at, orig.len()) != *orig;
+        assert!(code.iter().any(hooked));
+    }
+
+    #[test]
+    fn a_fork_of_a_process_without_probes_is_only_let_go() {
+        let mut family = Family::default();
+        family
+            .processes
+            .insert(PID, Process::new(Role::Traced, None));
+        let mut target = FakeTarget::new();
+        target.stopped_at(CHILD, 0x1000, 0x7000);
+        let mut warnings = Vec::new();
+        family
+            .release_fork(&mut target, CHILD, PID, &mut warnings)
+            .unwrap();
+        assert_eq!(target.calls, vec![Call::Detach(CHILD, 0)]);
+        assert!(warnings.is_empty());
+        // Gone meanwhile: not an error.
+        family
+            .release_fork(&mut target, CHILD, PID, &mut warnings)
+            .unwrap();
     }
 }

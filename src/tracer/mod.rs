@@ -509,7 +509,8 @@ impl Tracer {
                 let _ = self.book.ledger.forget_process(tid as u32);
             }
             if let Some(space) = process.space {
-                self.release_sharers(tid, space)?;
+                self.family
+                    .release_sharers(tid, space, &mut self.stats.warnings);
             }
         }
         if tid == self.control.root {

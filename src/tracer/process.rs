@@ -216,14 +216,23 @@ impl Family {
         })
     }
 
+    /// The address space of process `pid`, if it has one of its own.
+    pub fn space(&self, pid: Tid) -> Option<&Space> {
+        self.processes.get(&pid)?.space.as_ref()
+    }
+
+    pub fn space_mut(&mut self, pid: Tid) -> Option<&mut Space> {
+        self.processes.get_mut(&pid)?.space.as_mut()
+    }
+
     /// The address space the thread runs in.
     pub fn space_of(&self, tid: Tid) -> Option<&Space> {
-        self.processes.get(&self.owner_of(tid)?)?.space.as_ref()
+        self.space(self.owner_of(tid)?)
     }
 
     pub fn space_of_mut(&mut self, tid: Tid) -> Option<&mut Space> {
         let owner = self.owner_of(tid)?;
-        self.processes.get_mut(&owner)?.space.as_mut()
+        self.space_mut(owner)
     }
 
     /// Process `pid` is traced in an address space of its own: launched and
@@ -314,6 +323,22 @@ pub fn mapping_at(pid: Tid, sp: u64) -> Option<std::ops::Range<u64>> {
     let maps = procfs::read_maps(pid).ok()?;
     let m = maps.into_iter().find(|m| m.start <= sp && sp < m.end)?;
     Some(m.start..m.end)
+}
+
+/// For tests of the parts that serve a family on the fake target.
+#[cfg(test)]
+impl Family {
+    /// One traced process `pid` in `space`, with the threads `tids`.
+    pub fn of_one(pid: Tid, space: Space, tids: &[Tid]) -> Family {
+        let mut family = Family::default();
+        family
+            .processes
+            .insert(pid, Process::new(Role::Traced, Some(space)));
+        for &tid in tids {
+            family.threads.insert(tid, Thread::new(pid, 0));
+        }
+        family
+    }
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::process::{Child, Process, Role};
+use super::process::{Child, Family, Process, Role};
 use super::stop::Stopped;
+use super::target::Target;
 use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Stop, Tid};
 
@@ -20,6 +21,63 @@ pub(super) enum Stopping {
     Nothing,
     /// No traced thread is left.
     NoneLeft,
+}
+
+/// What a SIGTRAP at one of memptrace's int3s was, while stopping.
+pub(super) enum Trap {
+    /// A call came back through its stub's return int3, with this stack
+    /// pointer and return value: to be recorded; the thread goes on to its
+    /// caller.
+    Returned { rsp: u64, rax: u64 },
+    /// An entry's int3, or a jump probe's miss: the thread was moved back
+    /// to the entry, to run the original instruction once the byte is back
+    /// (or the thread is gone, and there is nothing to settle).
+    Rewound,
+    /// Not one of memptrace's: the program's own SIGTRAP.
+    Foreign,
+}
+
+impl Family {
+    /// True when the thread is stopped right after one of our int3s (an
+    /// entry, a stub's return, or a jump probe's miss).
+    pub fn at_int3<T: Target>(&self, target: &mut T, tid: Tid) -> bool {
+        let Ok(regs) = target.regs(tid) else {
+            return false;
+        };
+        let at = regs.rip.wrapping_sub(1);
+        self.space_of(tid).is_some_and(|s| {
+            s.hooks.is_return(at) || s.hooks.contains(at) || s.hooks.missed(at).is_some()
+        })
+    }
+
+    /// A thread that reported a SIGTRAP while stopping: which of our int3s
+    /// it hit, rewinding it to the entry when the call has not begun.
+    pub fn rewind_trap<T: Target>(&self, target: &mut T, tid: Tid) -> std::io::Result<Trap> {
+        let Ok(mut regs) = target.regs(tid) else {
+            return Ok(Trap::Rewound);
+        };
+        let at = regs.rip.wrapping_sub(1);
+        let Some(space) = self.space_of(tid) else {
+            return Ok(Trap::Foreign);
+        };
+        if space.hooks.is_return(at) {
+            return Ok(Trap::Returned {
+                rsp: regs.rsp,
+                rax: regs.rax,
+            });
+        }
+        if space.hooks.contains(at) {
+            regs.rip = at;
+        } else if let Some(hook) = space.hooks.missed(at) {
+            // A jump probe's thread without a slot: its call has not begun;
+            // it begins again at the restored entry.
+            regs.rip = hook.addr;
+        } else {
+            return Ok(Trap::Foreign);
+        }
+        target.set_regs(tid, &regs)?;
+        Ok(Trap::Rewound)
+    }
 }
 
 /// True when the thread has a SIGTRAP pending (`SigPnd` of its status file).
@@ -90,7 +148,7 @@ impl Tracer {
             Stopped::Exiting => {}
             Stopped::GroupStop(_) | Stopped::Interrupt => {
                 let pid = self.family.pid_of(tid).unwrap_or(tid);
-                if self.at_int3(tid) && sigtrap_pending(pid, tid) {
+                if self.family.at_int3(&mut self.target, tid) && sigtrap_pending(pid, tid) {
                     // Let the queued trap be reported, then settle it.
                     ptrace::cont(tid, 0)?;
                     return Ok(false);
@@ -142,55 +200,26 @@ impl Tracer {
         Ok(Stopping::Nothing)
     }
 
-    /// True when the thread is stopped right after one of our int3s (an
-    /// entry, a stub's return, or a jump probe's miss).
-    fn at_int3(&self, tid: Tid) -> bool {
-        let Ok(regs) = ptrace::get_regs(tid) else {
-            return false;
-        };
-        let at = regs.rip.wrapping_sub(1);
-        self.family.space_of(tid).is_some_and(|s| {
-            s.hooks.is_return(at) || s.hooks.contains(at) || s.hooks.missed(at).is_some()
-        })
-    }
-
     /// A thread reported the SIGTRAP of one of our int3s while detaching:
     /// complete a return (recording it) or rewind an entry so the original
     /// instruction runs once the byte is back. False for a foreign SIGTRAP.
     fn settle_trap(&mut self, tid: Tid) -> Result<bool, TraceError> {
-        let Ok(mut regs) = ptrace::get_regs(tid) else {
-            return Ok(true);
+        let (rsp, rax) = match self.family.rewind_trap(&mut self.target, tid)? {
+            Trap::Returned { rsp, rax } => (rsp, rax),
+            Trap::Rewound => return Ok(true),
+            Trap::Foreign => return Ok(false),
         };
-        let at = regs.rip.wrapping_sub(1);
-        let Some(space) = self.family.space_of(tid) else {
-            return Ok(false);
-        };
-        if space.hooks.is_return(at) {
-            // A call came back through its stub: record it; the thread goes on
-            // past the int3 to the caller.
-            let pid = self.family.pid_of(tid).unwrap_or(tid);
-            self.settle_copy(tid, true);
-            if let Some(call) = self.returning_call(tid, regs.rsp) {
-                let stored = super::calls::stored_block(pid, &call, regs.rax);
-                self.record_return(pid, tid, call, regs.rax, stored);
-            } else if let Some(map) = self.family.returning_map(tid, regs.rsp) {
-                self.book.record_map(pid, tid, map, regs.rax);
-            }
-            return Ok(true);
+        // A call came back through its stub: record it; the thread goes on
+        // past the int3 to the caller.
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
+        self.settle_copy(tid, true);
+        if let Some(call) = self.returning_call(tid, rsp) {
+            let stored = super::calls::stored_block(pid, &call, rax);
+            self.record_return(pid, tid, call, rax, stored);
+        } else if let Some(map) = self.family.returning_map(tid, rsp) {
+            self.book.record_map(pid, tid, map, rax);
         }
-        if space.hooks.contains(at) {
-            regs.rip = at;
-            ptrace::set_regs(tid, &regs)?;
-            return Ok(true);
-        }
-        if let Some(hook) = space.hooks.missed(at) {
-            // A jump probe's thread without a slot: its call has not begun;
-            // it begins again at the restored entry.
-            regs.rip = hook.addr;
-            ptrace::set_regs(tid, &regs)?;
-            return Ok(true);
-        }
-        Ok(false)
+        Ok(true)
     }
 
     /// Adopt a new child during detach: threads stay stopped (to be detached
@@ -210,5 +239,97 @@ impl Tracer {
             }
             fork => self.adopt(tid, fork, Stop::EventStop(libc::SIGTRAP)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tracer::probes::int3;
+    use crate::tracer::probes::{HookKind, Probe};
+    use crate::tracer::space::fake::{FakeSpace, PID};
+    use crate::tracer::target::fake::{Call, FakeTarget};
+
+    /// The C library hooked with int3 probes, in a family of one process
+    /// [`PID`] whose thread `PID + 1` runs too; an allocator's entry and the
+    /// return int3 of its stub.
+    fn hooked() -> (Family, u64, u64) {
+        let mut fake = FakeSpace::libc(true);
+        fake.hook();
+        let (entry, stub) = fake
+            .space
+            .hooks
+            .iter()
+            .find_map(|h| match (&h.kind, &h.probe) {
+                (HookKind::Allocator { .. }, Probe::Int3 { stub, .. }) => Some((h.addr, *stub)),
+                _ => None,
+            })
+            .expect("an allocator hooked");
+        let family = Family::of_one(PID, fake.space, &[PID, PID + 1]);
+        (family, entry, stub + int3::stub().return_int3)
+    }
+
+    #[test]
+    fn a_thread_past_an_entry_int3_is_rewound_to_the_entry() {
+        let (family, entry, _) = hooked();
+        let mut target = FakeTarget::new();
+        target.stopped_at(PID + 1, entry + 1, 0x7000);
+        assert!(family.at_int3(&mut target, PID + 1));
+        let trap = family.rewind_trap(&mut target, PID + 1).unwrap();
+        assert!(matches!(trap, Trap::Rewound));
+        assert_eq!(target.threads[&(PID + 1)].regs.rip, entry);
+        assert_eq!(target.calls, vec![Call::SetRegs(PID + 1)]);
+    }
+
+    #[test]
+    fn a_return_through_a_stub_is_left_where_it_is_to_be_recorded() {
+        let (family, _, ret) = hooked();
+        let mut target = FakeTarget::new();
+        target.stopped_at(PID, ret + 1, 0x7000);
+        assert!(family.at_int3(&mut target, PID));
+        let mut regs = target.threads[&PID].regs;
+        regs.rax = 0x5000;
+        target.set_regs(PID, &regs).unwrap();
+        target.calls.clear();
+        let trap = family.rewind_trap(&mut target, PID).unwrap();
+        assert!(matches!(
+            trap,
+            Trap::Returned {
+                rsp: 0x7000,
+                rax: 0x5000
+            }
+        ));
+        assert_eq!(target.threads[&PID].regs.rip, ret + 1);
+        assert!(target.calls.is_empty(), "the thread goes on to its caller");
+    }
+
+    #[test]
+    fn a_sigtrap_elsewhere_is_the_programs_own() {
+        let (family, entry, _) = hooked();
+        let mut target = FakeTarget::new();
+        // Just past the entry's int3 is the program's code again.
+        target.stopped_at(PID, entry + 2, 0x7000);
+        // A thread of no traced process.
+        target.stopped_at(99, entry + 1, 0x7000);
+        for tid in [PID, 99] {
+            assert!(!family.at_int3(&mut target, tid));
+            assert!(matches!(
+                family.rewind_trap(&mut target, tid).unwrap(),
+                Trap::Foreign
+            ));
+        }
+        assert!(target.calls.is_empty());
+    }
+
+    #[test]
+    fn a_thread_gone_meanwhile_has_nothing_to_settle() {
+        let (family, _, _) = hooked();
+        let mut target = FakeTarget::new();
+        assert!(!family.at_int3(&mut target, PID));
+        assert!(matches!(
+            family.rewind_trap(&mut target, PID).unwrap(),
+            Trap::Rewound
+        ));
+        assert!(target.calls.is_empty());
     }
 }

@@ -489,12 +489,6 @@ impl Space {
         Ok(())
     }
 
-    /// Put every original byte back in another process that has a copy of
-    /// this space (a forked child).
-    pub fn restore_into(&self, pid: Tid) -> io::Result<()> {
-        self.put_back_into(&*Live.code(pid)?)
-    }
-
     /// Put every original byte of the hooks back through `mem`: this
     /// space's, or a forked child's, which holds a copy of the same code.
     pub fn put_back_into(&self, mem: &dyn CodeMemory) -> io::Result<()> {
