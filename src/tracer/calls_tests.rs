@@ -40,7 +40,7 @@ impl Rig {
         let mut stack = vec![0x5a; STACK as usize];
         stack[..8].copy_from_slice(&RET.to_le_bytes());
         fake.mem.map(SP, stack);
-        let mut family = Family::of_one(PID, fake.space);
+        let mut family = Family::of_one(PID, fake.space, &[]);
         let mut thread = Thread::new(PID, 0);
         // Its stack's mapping, known: not looked up in /proc.
         thread.stack = Some(SP - 0x1000..SP + STACK);

@@ -312,7 +312,7 @@ mod tests {
             let (book, rx) = Booking::for_tests(None);
             Rig {
                 opts: TraceOptions::for_tests(true),
-                family: Family::of_one(PID, fake.space),
+                family: Family::of_one(PID, fake.space, &[]),
                 book,
                 rx,
                 stats: TraceStats::default(),

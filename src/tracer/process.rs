@@ -342,18 +342,6 @@ impl Family {
 }
 
 #[cfg(test)]
-impl Family {
-    /// For unit tests: process `pid` traced in `space`, with no thread.
-    pub fn of_one(pid: Tid, space: Space) -> Family {
-        let mut family = Family::default();
-        family
-            .processes
-            .insert(pid, Process::new(Role::Traced, Some(space)));
-        family
-    }
-}
-
-#[cfg(test)]
 mod tests {
     use super::*;
 
