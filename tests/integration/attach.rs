@@ -330,6 +330,11 @@ fn attach_refusals() {
         &[&pid.to_string()],
         &format!("already traced by process {}", tracer.pid()),
     );
+    // Ctrl-C once the attach is done (calls recorded): a Ctrl-C while the
+    // threads are still being stopped gives the attach up instead.
+    crate::support::wait_until("the first memptrace records calls", || {
+        calls_committed(&first) > 0
+    });
     tracer.signal(libc::SIGINT);
     let first_run = tracer.finish();
     assert_eq!(

@@ -11,7 +11,7 @@ use crate::support::{
     Background, Trace, Variant, memptrace, open_trace, proc_status, run, scratch, tracee,
 };
 
-/// 2 MiB: the filler's 2 M calls need about 30 MiB.
+/// 2 MiB: the filler's 2 M calls need about 15 MiB.
 const LIMIT: &str = "2M";
 const REASON: &str = "the trace database reached --max-size (2097152 bytes)";
 
@@ -69,12 +69,16 @@ fn max_size_ends_a_launched_trace_and_the_program_runs_to_its_end() {
             .args(["--max-size", LIMIT, "-o"])
             .arg(&path)
             .arg("--")
-            .arg(tracee(Variant::Dynamic, "filler")),
+            .arg(tracee(Variant::Dynamic, "filler"))
+            // 20 M calls: the 2 MiB are written long before the program
+            // could end, however far the recorder lags on a loaded machine
+            // (the rings make the program wait for it).
+            .arg("2000"),
         b"",
     );
     // The program's end and status: it ran on untraced.
     assert_eq!(out.code(), 3, "{}", out.stderr);
-    assert_eq!(out.stdout, "done 2000000\ntracer 0\n");
+    assert_eq!(out.stdout, "done 20000000\ntracer 0\n");
     assert_eq!(
         out.stderr,
         format!("memptrace: {REASON}: the trace ends here; the program runs on untraced\n")
@@ -172,11 +176,12 @@ fn a_full_disk_ends_a_launched_trace_and_the_program_runs_to_its_end() {
             .arg("-o")
             .arg(&path)
             .arg("--")
-            .arg(tracee(Variant::Dynamic, "filler")),
+            .arg(tracee(Variant::Dynamic, "filler"))
+            .arg("2000"),
         b"",
     );
     assert_eq!(out.code(), 3, "{}", out.stderr);
-    assert_eq!(out.stdout, "done 2000000\ntracer 0\n");
+    assert_eq!(out.stdout, "done 20000000\ntracer 0\n");
     let reason = "the trace database's disk is full (or a quota is reached)";
     assert_eq!(
         out.stderr,
