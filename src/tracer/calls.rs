@@ -251,7 +251,7 @@ impl<T: Target> Serve<'_, T> {
         }
         let sp = regs.rsp;
         let len = if self.opts.stacks {
-            let top = self.family.stack_top(tid, pid, sp);
+            let top = self.family.stack_top(self.target, tid, pid, sp);
             top.saturating_sub(sp).min(STACK_COPY) & !7
         } else {
             8
@@ -488,7 +488,7 @@ impl<T: Target> Serve<'_, T> {
             let end = libunwind.unwind(tid, &sample, &mut ips, self.opts.max_depth);
             return (ret, CallStack::Unwound { ips, end });
         }
-        let top = self.family.stack_top(tid, pid, sp);
+        let top = self.family.stack_top(self.target, tid, pid, sp);
         let len = top.saturating_sub(sp).min(STACK_COPY) as usize;
         let mut bytes = Vec::new();
         if self.target.read_data(pid, sp, len, &mut bytes).is_err() {

@@ -122,7 +122,7 @@ impl Family {
         if !self.is_traced(pid) {
             return;
         }
-        let stack = self.stack_range(tid, pid, regs.rsp);
+        let stack = self.stack_range(target, tid, pid, regs.rsp);
         if let Some(control) = self.space_of_mut(tid).and_then(|s| s.control_mut()) {
             control.register(tid, regs.fs_base, stack);
         }

@@ -23,7 +23,7 @@
 
 use std::io;
 
-use super::process::{Family, PendingCall, Thread, mapping_at};
+use super::process::{Family, PendingCall, Thread};
 use super::stop::is_stopping_signal;
 use super::target::Target;
 use crate::os::ptrace::{self, Tid};
@@ -126,7 +126,7 @@ impl Family {
         let sp = regs.rsp;
         let lo = match &thread.stack {
             Some(stack) if stack.contains(&sp) => stack.start,
-            _ => mapping_at(thread.pid, sp).map_or(0, |m| m.start),
+            _ => target.mapping_at(thread.pid, sp).map_or(0, |m| m.start),
         };
         let call = thread.in_call.take();
         thread.handlers.push(HandlerFrame { sp, lo, call });

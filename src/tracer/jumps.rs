@@ -270,7 +270,7 @@ impl Family {
         regs: Regs,
         entry: u64,
     ) -> io::Result<()> {
-        let stack = self.stack_range(tid, pid, regs.rsp);
+        let stack = self.stack_range(target, tid, pid, regs.rsp);
         let shares = self
             .processes
             .get(&pid)
@@ -323,7 +323,7 @@ impl Family {
         if let Some(thread) = self.threads.get_mut(&tid) {
             thread.stack = None;
         }
-        let stack = self.stack_range(tid, pid, regs.rsp);
+        let stack = self.stack_range(target, tid, pid, regs.rsp);
         if let Some(control) = self.space_of(tid).and_then(|s| s.control()) {
             control.set_stack(tid, stack);
         }

@@ -13,9 +13,9 @@ use super::copies::PendingCopy;
 use super::handlers::HandlerFrame;
 use super::space::Space;
 use super::space::buffers::STACK_COPY;
+use super::target::Target;
 use crate::event::Op;
 use crate::os::mem::ProcessMemory;
-use crate::os::procfs;
 use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::CallStack;
 use crate::unwind::libunwind::LibunwindUnwinder;
@@ -173,30 +173,37 @@ pub struct Family {
 impl Family {
     /// The end of the mapping holding a thread's stack, learnt once per thread
     /// (and again if the thread moves to another stack).
-    pub fn stack_top(&mut self, tid: Tid, pid: Tid, sp: u64) -> u64 {
-        let thread = self.threads.get_mut(&tid).expect("known thread");
-        if let Some(range) = &thread.stack {
-            if range.contains(&sp) {
-                return range.end;
-            }
+    pub fn stack_top<T: Target>(&mut self, target: &mut T, tid: Tid, pid: Tid, sp: u64) -> u64 {
+        let known = self.threads.get(&tid).and_then(|t| t.stack.clone());
+        if let Some(range) = known.filter(|r| r.contains(&sp)) {
+            return range.end;
         }
-        match mapping_at(pid, sp) {
+        match target.mapping_at(pid, sp) {
             Some(stack) => {
                 let end = stack.end;
-                thread.stack = Some(stack);
+                if let Some(thread) = self.threads.get_mut(&tid) {
+                    thread.stack = Some(stack);
+                }
                 end
             }
-            None => sp + STACK_COPY,
+            None => sp.saturating_add(STACK_COPY),
         }
     }
 
     /// The mapping holding a thread's stack (the probes read nothing else).
-    pub fn stack_range(&mut self, tid: Tid, pid: Tid, sp: u64) -> std::ops::Range<u64> {
-        let end = self.stack_top(tid, pid, sp);
+    pub fn stack_range<T: Target>(
+        &mut self,
+        target: &mut T,
+        tid: Tid,
+        pid: Tid,
+        sp: u64,
+    ) -> std::ops::Range<u64> {
+        let end = self.stack_top(target, tid, pid, sp);
         let start = self
             .threads
             .get(&tid)
             .and_then(|t| t.stack.clone())
+            .filter(|r| r.end == end)
             .map_or(sp, |r| r.start);
         start..end
     }
@@ -317,14 +324,6 @@ impl Family {
     }
 }
 
-/// The mapping of process `pid` that holds address `sp` (a thread's
-/// stack), read from /proc; `None` if none does or the file cannot be read.
-pub fn mapping_at(pid: Tid, sp: u64) -> Option<std::ops::Range<u64>> {
-    let maps = procfs::read_maps(pid).ok()?;
-    let m = maps.into_iter().find(|m| m.start <= sp && sp < m.end)?;
-    Some(m.start..m.end)
-}
-
 /// For tests of the parts that serve a family on the fake target.
 #[cfg(test)]
 impl Family {
@@ -344,6 +343,7 @@ impl Family {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tracer::target::fake::FakeTarget;
 
     /// A launched process before its execve (1), a traced one (2) with a
     /// vfork child in its memory (3), and a traced fork (4).
@@ -410,9 +410,42 @@ mod tests {
     #[test]
     fn a_known_stack_is_not_looked_up_again() {
         let mut family = family();
-        // No process 2 in /proc is needed: the thread's stack is known.
+        let mut target = FakeTarget::new();
+        // The process has no mappings: the thread's stack is known.
         family.threads.get_mut(&2).unwrap().stack = Some(0x1000..0xa000);
-        assert_eq!(family.stack_top(2, 2, 0x8000), 0xa000);
-        assert_eq!(family.stack_range(2, 2, 0x8000), 0x1000..0xa000);
+        assert_eq!(family.stack_top(&mut target, 2, 2, 0x8000), 0xa000);
+        assert_eq!(
+            family.stack_range(&mut target, 2, 2, 0x8000),
+            0x1000..0xa000
+        );
+    }
+
+    #[test]
+    fn a_stack_is_learnt_through_the_port_and_again_when_the_thread_moves() {
+        let mut family = family();
+        let mut target = FakeTarget::new();
+        target
+            .mappings
+            .insert(2, vec![0x1000..0xa000, 0x20000..0x30000]);
+        assert_eq!(
+            family.stack_range(&mut target, 2, 2, 0x8000),
+            0x1000..0xa000
+        );
+        assert_eq!(family.threads[&2].stack, Some(0x1000..0xa000));
+        // A signal stack elsewhere: looked up again, and kept.
+        assert_eq!(
+            family.stack_range(&mut target, 2, 2, 0x28000),
+            0x20000..0x30000
+        );
+        assert_eq!(family.threads[&2].stack, Some(0x20000..0x30000));
+        // Unmapped (a stack pointer the program set to garbage): a copy's
+        // length past it, no stale start, no overflow.
+        assert_eq!(
+            family.stack_range(&mut target, 2, 2, 0x50000),
+            0x50000..0x50000 + STACK_COPY
+        );
+        assert_eq!(family.stack_top(&mut target, 2, 2, u64::MAX - 8), u64::MAX);
+        // A thread memptrace does not know (gone meanwhile): no panic.
+        assert_eq!(family.stack_top(&mut target, 99, 2, 0x8000), 0xa000);
     }
 }

@@ -8,6 +8,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::io;
+use std::ops::Range;
 use std::rc::Rc;
 
 use super::{CodeMemory, Target};
@@ -113,6 +114,8 @@ pub struct FakeThread {
 pub struct FakeTarget {
     pub threads: HashMap<Tid, FakeThread>,
     pub spaces: HashMap<Tid, FakeMemory>,
+    /// Each process's mappings, as `/proc/PID/maps` would give them.
+    pub mappings: HashMap<Tid, Vec<Range<u64>>>,
     pub calls: Vec<Call>,
 }
 
@@ -222,5 +225,10 @@ impl Target for FakeTarget {
 
     fn code(&mut self, pid: Tid) -> io::Result<Box<dyn CodeMemory>> {
         Ok(Box::new(self.memory(pid)))
+    }
+
+    fn mapping_at(&mut self, pid: Tid, addr: u64) -> Option<Range<u64>> {
+        let maps = self.mappings.get(&pid)?;
+        maps.iter().find(|m| m.contains(&addr)).cloned()
     }
 }

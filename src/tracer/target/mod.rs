@@ -22,9 +22,11 @@
 pub mod fake;
 
 use std::io;
+use std::ops::Range;
 
 use crate::memory::Memory;
 use crate::os::mem::{self, CodeWriter};
+use crate::os::procfs;
 use crate::os::ptrace::{self, Regs, Tid};
 
 /// One address space's memory as probes change it: read anything (code
@@ -69,6 +71,9 @@ pub trait Target {
     fn write_data(&mut self, pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()>;
     /// The code memory of process `pid`, to read it and write probes.
     fn code(&mut self, pid: Tid) -> io::Result<Box<dyn CodeMemory>>;
+    /// The mapping of process `pid` that holds `addr` (a thread's stack);
+    /// `None` if none does or the maps cannot be read.
+    fn mapping_at(&mut self, pid: Tid, addr: u64) -> Option<Range<u64>>;
 }
 
 /// The real target: every call is the `os` call it names.
@@ -122,5 +127,11 @@ impl Target for Live {
 
     fn code(&mut self, pid: Tid) -> io::Result<Box<dyn CodeMemory>> {
         Ok(Box::new(CodeWriter::open(pid)?))
+    }
+
+    fn mapping_at(&mut self, pid: Tid, addr: u64) -> Option<Range<u64>> {
+        let maps = procfs::read_maps(pid).ok()?;
+        let m = maps.into_iter().find(|m| m.start <= addr && addr < m.end)?;
+        Some(m.start..m.end)
     }
 }
