@@ -11,7 +11,7 @@
 //! and `window` on a full trace, and traces without them, take a single
 //! pass over the events in the order they took effect, which pairs each
 //! release with its allocation (through the `alloc_id` the tracer
-//! recorded) and keeps running sums. It reads the grouped `event_groups` table under the `events` view
+//! recorded) and keeps running sums. It reads the compact `event_log` table under the `events` view
 //! directly, because it is the same program that wrote it and the view's
 //! per-row subqueries (thread, released pointer) cost more than the whole
 //! analysis; [`open`] refuses a schema version it does not know. The stack

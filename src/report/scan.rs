@@ -1,6 +1,6 @@
 //! The one pass over the events that every report starts from.
 //!
-//! Events are read from `event_groups` in id order (the order the calls took
+//! Events are read from `event_log` in id order (the order the calls took
 //! effect), each release is paired with its allocation through the id the
 //! tracer recorded (`id - alloc_dist`), and running sums are kept per op,
 //! stack and thread. Memory is proportional to the blocks live at a time,
@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use indicatif::ProgressBar;
+use rusqlite::types::ValueRef;
 
 use super::{ReportError, Trace};
 use crate::event::Op;
@@ -76,44 +77,54 @@ pub fn for_each_event(
     bar: &ProgressBar,
     mut f: impl FnMut(&EventRow),
 ) -> Result<(), ReportError> {
-    let (upto, until) = (upto.unwrap_or(i64::MAX), until.unwrap_or(i64::MAX));
+    let sql = "SELECT id, ts_ns, kind, stack_id, coalesce(ptr <> 0, 0), size, id - alloc_dist
+               FROM event_log WHERE id <= ?1 AND ts_ns <= ?2 ORDER BY id";
+    let mut stmt = trace.conn.prepare(sql).map_err(|e| trace.err(e))?;
+    let mut rows = stmt
+        .query([upto.unwrap_or(i64::MAX), until.unwrap_or(i64::MAX)])
+        .map_err(|e| trace.err(e))?;
     let mut seen = 0u64;
-    crate::sink::read_events(&trace.conn, upto, until, |stored| {
+    while let Some(row) = rows.next().map_err(|e| trace.err(e))? {
+        let kind: i64 = row.get(2).map_err(|e| trace.err(e))?;
         // An op code this memptrace does not know cannot be analysed; the
         // schema version check makes it impossible short of a damaged file.
-        let Some(op) = Op::from_code((stored.kind & 15) as u8) else {
-            return;
+        let Some(op) = Op::from_code((kind & 15) as u8) else {
+            continue;
+        };
+        let size = match row.get_ref(5).map_err(|e| trace.err(e))? {
+            ValueRef::Integer(n) => Some(n.max(0) as u64),
+            // Sizes above 2^63 - 1 are stored as REAL (docs/schema.md).
+            ValueRef::Real(x) => Some(x as u64),
+            _ => None,
         };
         let event = EventRow {
-            id: stored.id,
-            ts_ns: stored.ts_ns,
+            id: row.get(0).map_err(|e| trace.err(e))?,
+            ts_ns: row.get(1).map_err(|e| trace.err(e))?,
             op,
-            thread: (stored.kind >> 4) as u32,
-            stack: stored.stack_id,
-            allocated: op.allocates() && stored.ptr_nonzero,
-            size: stored.size,
-            released: stored.alloc_dist.map(|d| stored.id.wrapping_sub(d)),
+            thread: (kind >> 4) as u32,
+            stack: row.get(3).map_err(|e| trace.err(e))?,
+            allocated: op.allocates() && row.get::<_, i64>(4).map_err(|e| trace.err(e))? != 0,
+            size,
+            released: row.get(6).map_err(|e| trace.err(e))?,
         };
         f(&event);
         seen += 1;
         if seen % PROGRESS_STEP == 0 {
             bar.inc(PROGRESS_STEP);
         }
-    })
-    .map_err(|e| trace.err(e))?;
+    }
     bar.inc(seen % PROGRESS_STEP);
     Ok(())
 }
 
 /// The largest event id: the length of a pass, for progress bars.
 pub fn last_event_id(trace: &Trace) -> Result<i64, ReportError> {
-    Ok(last_event(trace)?.0)
-}
-
-/// The id and time of the last event; 0, 0 without events.
-pub fn last_event(trace: &Trace) -> Result<(i64, i64), ReportError> {
-    let last = crate::sink::last_event(&trace.conn).map_err(|e| trace.err(e))?;
-    Ok(last.unwrap_or((0, 0)))
+    trace
+        .conn
+        .query_row("SELECT coalesce(max(id), 0) FROM event_log", [], |r| {
+            r.get(0)
+        })
+        .map_err(|e| trace.err(e))
 }
 
 /// Calls, failures and bytes of one allocator function.
@@ -297,7 +308,15 @@ fn exec_released(trace: &Trace) -> Result<std::collections::HashSet<i64>, Report
 impl Analysis {
     /// The whole first pass.
     pub fn run(trace: &Trace) -> Result<Analysis, ReportError> {
-        let (last_id, last_ns) = last_event(trace)?;
+        let last_id = last_event_id(trace)?;
+        let last_ns: i64 = trace
+            .conn
+            .query_row(
+                "SELECT coalesce((SELECT ts_ns FROM event_log ORDER BY id DESC LIMIT 1), 0)",
+                [],
+                |r| r.get(0),
+            )
+            .map_err(|e| trace.err(e))?;
         let bar = crate::progress::bar(last_id.max(0) as u64, "reading events");
         let mut a = Analysis {
             last_ns,

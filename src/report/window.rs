@@ -118,7 +118,15 @@ pub fn trace_end(trace: &Trace) -> Result<(i64, bool), ReportError> {
     if let Some(ns) = trace.meta("duration_ns")?.and_then(|d| d.parse().ok()) {
         return Ok((ns, true));
     }
-    let (_, last) = super::scan::last_event(trace)?;
+    let last: i64 = trace
+        .conn
+        .query_row(
+            "SELECT coalesce(max(ts_ns), 0) FROM event_log
+             WHERE id = (SELECT max(id) FROM event_log)",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| trace.err(e))?;
     Ok((last, false))
 }
 

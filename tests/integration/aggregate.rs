@@ -354,9 +354,8 @@ fn aggregate_trace_is_bounded_by_stacks_not_calls() {
     eprintln!(
         "filler 100: {calls} calls, {stacks} stack nodes: full trace {full_size} bytes, aggregate {agg_size} bytes"
     );
-    // A full trace stores about 12 bytes a call (sixteen events a row).
     assert!(
-        agg_size * 10 < full_size,
+        agg_size * 20 < full_size,
         "aggregate {agg_size} bytes against full {full_size} bytes"
     );
     // Ten times fewer calls from the same stacks: the same size, but for

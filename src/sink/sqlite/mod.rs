@@ -11,8 +11,6 @@
 //! a trace that never finished must be queryable as it is.
 
 mod aggregates;
-mod decode;
-mod groups;
 mod heap;
 mod nodes;
 mod rows;
@@ -28,19 +26,25 @@ use rusqlite::{Connection, params};
 use super::aggregate::Aggregator;
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::Event;
-use groups::Group;
-pub use groups::{StoredEvent, last_event, read_events};
 use nodes::NodeRows;
-use rows::{int, write_map};
+use rows::{EventRow, Num, int, write_map};
 pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
+
+/// Events inserted by one multi-row statement: SQLite's per-statement cost
+/// (step, reset, the statement cache) is paid once per chunk. 256 rows of 8
+/// parameters stay far below SQLite's limit of 32766 parameters.
+const CHUNK: usize = 256;
 
 /// Larger pages than SQLite's 4 KiB default: fewer page splits and a
 /// shallower table for an append-only log (measured: about 8 % faster,
 /// same size; see examples/sink_throughput.rs).
 const PAGE_SIZE: i64 = 16 * 1024;
 
+/// Columns of `event_log`, in table order.
+const EVENT_COLUMNS: usize = 8;
+
 /// Page cache of the writing connection, in KiB (SQLite's negative
-/// `cache_size`). Events are appended (no index on `event_groups`): a page
+/// `cache_size`). Events are appended (no index on `event_log`): a page
 /// once full is not read again, and a commit interval (at most
 /// `COMMIT_RECORDS` rows, about 1 MiB) fits many times over; SQLite spills
 /// to the WAL what does not. 64 MiB filled up and stayed: 66 MiB of
@@ -66,19 +70,16 @@ pub struct SqliteSink {
     in_transaction: bool,
     /// A write or commit failed: every later call fails too.
     failed: bool,
-    /// The events of the group being filled; written when it is full, and
-    /// (as far as it is) before every commit.
-    group: Group,
-    /// `group` has events not yet written.
-    group_dirty: bool,
-    /// The largest group written: a group up to it may have a row already.
-    last_group: i64,
-    /// The SQL of the statement writing a group.
-    group_sql: String,
+    /// Events waiting for a full [`CHUNK`]; written before every commit.
+    pending: Vec<EventRow>,
     /// Stack nodes waiting likewise.
     nodes: NodeRows,
     /// (pid, tid) -> code in `event_threads`.
     thread_codes: HashMap<(u32, u32), i64>,
+    /// The SQL of the statement inserting [`CHUNK`] events.
+    chunk_sql: String,
+    /// The largest event id written, to let SQLite number consecutive ones.
+    last_id: u64,
     /// The (pid, tid) of the last event and its code: most events repeat it.
     last_thread: ((u32, u32), i64),
     /// Room given back when the disk is full, for the end (none when the
@@ -132,19 +133,20 @@ impl SqliteSink {
             schema::APPLICATION_ID
         ))?;
 
+        let row = format!("({})", ["?"; EVENT_COLUMNS].join(","));
+        let chunk_sql = format!(
+            "INSERT INTO event_log VALUES {}",
+            vec![row.as_str(); CHUNK].join(",")
+        );
         Ok(SqliteSink {
             conn: Some(conn),
             in_transaction: false,
             failed: false,
-            group: Group::new(-1),
-            group_dirty: false,
-            last_group: -1,
-            group_sql: format!(
-                "INSERT OR REPLACE INTO event_groups VALUES ({})",
-                ["?"; groups::GROUP_COLUMNS].join(",")
-            ),
+            pending: Vec::with_capacity(CHUNK),
             nodes: NodeRows::default(),
             thread_codes: HashMap::new(),
+            chunk_sql,
+            last_id: 0,
             last_thread: ((0, 0), -1),
             room: crate::os::room::keep(&dir, ROOM).ok(),
             dir,
@@ -203,57 +205,27 @@ impl SqliteSink {
         if self.aggregate_only {
             return Ok(());
         }
-        let (slot, extra) = groups::encode(event, thread).map_err(SinkError::Stopped)?;
-        // encode checked that the id is an SQLite integer.
-        let id = event.id as i64;
-        let g = id >> 4;
-        if g != self.group.g {
-            self.switch_group(g)?;
+        let mut row = EventRow::encode(event, thread);
+        // SQLite gives a row without an id the largest id plus one, without
+        // the search that checks an explicit id is new: ids come in
+        // increasing order, and nearly always one apart.
+        if self.last_id.checked_add(1) == Some(event.id) {
+            row.id = Num::Null;
         }
-        self.group.slots[(id & 15) as usize] = Some(slot);
-        self.group_dirty = true;
-        if let Some(x) = extra {
-            self.conn()?
-                .prepare_cached(
-                    "INSERT OR REPLACE INTO event_extra(id, arg, alloc_dist) VALUES (?, ?, ?)",
-                )?
-                .execute(rusqlite::params![x.id, x.arg, x.alloc_dist])?;
+        self.last_id = self.last_id.max(event.id);
+        self.pending.push(row);
+        if self.pending.len() < CHUNK {
+            return Ok(());
         }
-        if self.group.is_full() {
-            self.store_group()?;
-        }
-        Ok(())
-    }
-
-    /// Make group `g` the one being filled: the current one written, and
-    /// `g`'s row read back if it has one (its events came out of order).
-    fn switch_group(&mut self, g: i64) -> Result<(), SinkError> {
-        self.flush_events()?;
-        self.group = Group::new(g);
-        if g <= self.last_group {
-            let conn = self.conn.as_ref().ok_or_else(closed)?;
-            let mut stmt = conn.prepare_cached("SELECT * FROM event_groups WHERE g = ?")?;
-            let mut rows = stmt.query([g])?;
-            if let Some(row) = rows.next()? {
-                self.group = Group::from_row(row)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Write the group being filled (again, if it was written before a
-    /// commit when not yet full).
-    fn store_group(&mut self) -> Result<(), SinkError> {
-        let values = self.group.values().map_err(SinkError::Stopped)?;
         {
-            let mut stmt = self.conn()?.prepare_cached(&self.group_sql)?;
-            for (index, value) in values.iter().enumerate() {
+            let mut stmt = self.conn()?.prepare_cached(&self.chunk_sql)?;
+            let values = self.pending.iter().flat_map(EventRow::values);
+            for (index, value) in values.enumerate() {
                 stmt.raw_bind_parameter(index + 1, value)?;
             }
             stmt.raw_execute()?;
         }
-        self.last_group = self.last_group.max(self.group.g);
-        self.group_dirty = false;
+        self.pending.clear();
         Ok(())
     }
 
@@ -267,11 +239,23 @@ impl SqliteSink {
         Ok(self.nodes.flush(conn)?)
     }
 
-    /// Write the events of a group not yet full.
+    /// Write events that did not fill a chunk, one row at a time.
     fn flush_events(&mut self) -> Result<(), SinkError> {
-        if self.group_dirty {
-            self.store_group()?;
+        if self.pending.is_empty() {
+            return Ok(());
         }
+        {
+            let mut stmt = self
+                .conn()?
+                .prepare_cached("INSERT INTO event_log VALUES (?,?,?,?,?,?,?,?)")?;
+            for row in &self.pending {
+                for (index, value) in row.values().into_iter().enumerate() {
+                    stmt.raw_bind_parameter(index + 1, value)?;
+                }
+                stmt.raw_execute()?;
+            }
+        }
+        self.pending.clear();
         Ok(())
     }
 
@@ -544,8 +528,7 @@ impl EventSink for SqliteSink {
         }
         self.in_transaction = false;
         self.failed = false;
-        self.group = Group::new(-1);
-        self.group_dirty = false;
+        self.pending.clear();
         self.nodes.clear();
         // Its allocations may have been rolled back: `finish` asks SQLite.
         self.stopped_growing = true;

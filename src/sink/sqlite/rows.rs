@@ -1,16 +1,84 @@
-//! How one record becomes a row: the mappings' columns, and the integers
-//! SQLite stores (the events' encoding is groups.rs's).
+//! How one record becomes a row: the events' compact encoding (see
+//! docs/schema.md, "How events are stored"), the mappings' columns, and the
+//! integers SQLite stores.
 
 use rusqlite::params;
 use rusqlite::types::{ToSql, ToSqlOutput, Value};
 
-use super::SinkError;
+use super::{EVENT_COLUMNS, SinkError};
+use crate::event::{Event, Op};
+
+/// One `event_log` row. See docs/schema.md for the encoding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct EventRow {
+    pub(super) id: Num,
+    ts_ns: Num,
+    /// Op code in the low 4 bits, thread code above.
+    kind: i64,
+    stack_id: Num,
+    /// NULL for a free of a known block: the allocating event has it.
+    ptr: Num,
+    size: Num,
+    /// `id - alloc_id`: small for the short-lived blocks that dominate.
+    alloc_dist: Num,
+    /// realloc/reallocarray: `old_ptr` (NULL when `alloc_id` names the
+    /// block); every other op: `align`.
+    arg: Num,
+}
+
+impl EventRow {
+    pub(super) fn encode(event: &Event, thread: i64) -> EventRow {
+        let released_known = event.alloc_id.is_some();
+        let reallocates = matches!(event.op, Op::Realloc | Op::Reallocarray);
+        let ptr = if event.op == Op::Free && released_known {
+            Num::Null
+        } else {
+            int(event.ptr)
+        };
+        let arg = if reallocates {
+            if released_known {
+                Num::Null
+            } else {
+                event.old_ptr.map_or(Num::Null, int)
+            }
+        } else {
+            event.align.map_or(Num::Null, int)
+        };
+        let alloc_dist = match event.alloc_id {
+            Some(alloc) => Num::Int((event.id as i64).wrapping_sub(alloc as i64)),
+            None => Num::Null,
+        };
+        EventRow {
+            id: int(event.id),
+            ts_ns: int(event.ts_ns),
+            kind: i64::from(event.op as u8) | (thread << 4),
+            stack_id: event.stack_id.map_or(Num::Null, int),
+            ptr,
+            size: event.size.map_or(Num::Null, int),
+            alloc_dist,
+            arg,
+        }
+    }
+
+    pub(super) fn values(&self) -> [Num; EVENT_COLUMNS] {
+        [
+            self.id,
+            self.ts_ns,
+            Num::Int(self.kind),
+            self.stack_id,
+            self.ptr,
+            self.size,
+            self.alloc_dist,
+            self.arg,
+        ]
+    }
+}
 
 /// An SQL number. SQLite integers are signed 64-bit: a `u64` above
 /// `i64::MAX` (only sizes of failed requests such as `malloc(SIZE_MAX)`) is
 /// stored as REAL, so it still compares and sorts as the large number it is.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Num {
+pub(super) enum Num {
     Null,
     Int(i64),
     Real(f64),

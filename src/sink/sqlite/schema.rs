@@ -1,7 +1,7 @@
 //! The trace database's schema: tables written during the trace and the views
 //! people query. The views are the public interface (`docs/schema.md`); the
-//! grouped `event_groups` table under `event_log` and `events` is an
-//! encoding that may change with the schema version.
+//! compact `event_log` table under `events` is an encoding that may change
+//! with the schema version.
 //!
 //! Every view must work on a database that was never finished (memptrace was
 //! killed): views may use indexes created here; what `finish` writes
@@ -10,11 +10,10 @@
 //! ORDER BY inside aggregates), because whatever `sqlite3` a user has must be
 //! able to parse it, or it cannot open the file at all.
 
-use super::decode::{Ev, present};
 use crate::event::Op;
 
 /// `PRAGMA user_version` of databases written with this schema.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 1;
 
 /// `PRAGMA application_id`: "MPTR", so `file(1)` and tools can tell a trace.
 pub const APPLICATION_ID: i64 = 0x4d50_5452;
@@ -114,16 +113,18 @@ CREATE TABLE exec_releases(
     ts_ns INTEGER NOT NULL,
     pid INTEGER NOT NULL
 );
--- The events, sixteen to a row (`event_groups`, written by groups.rs), and
--- what does not fit in a row's slot: see docs/schema.md, \"How events are
--- stored\". `event_log` is a view over them.
-CREATE TABLE event_slots(
-    k INTEGER PRIMARY KEY
-);
-CREATE TABLE event_extra(
+-- One row per allocator call, in as few bytes as SQLite can store it: see
+-- docs/schema.md, \"How events are stored\". The columns most often NULL come
+-- last (an SQLite built with SQLITE_ENABLE_NULL_TRIM leaves them out).
+CREATE TABLE event_log(
     id INTEGER PRIMARY KEY,
-    arg INTEGER,
-    alloc_dist INTEGER
+    ts_ns INTEGER,
+    kind INTEGER,
+    stack_id INTEGER,
+    ptr INTEGER,
+    size INTEGER,
+    alloc_dist INTEGER,
+    arg INTEGER
 );
 -- One row per call of a mapping function (docs/schema.md, map_events).
 CREATE TABLE map_events(
@@ -199,34 +200,25 @@ fn trust_mark(x: &str) -> String {
     format!("CASE WHEN {x}.trust = 'frame pointer' THEN ' [found by frame pointer]' ELSE '' END")
 }
 
-/// `name` of the op of an event of kind `kind`, as a CASE (cheaper than a
-/// join, and computed only when the column is used).
-fn op_name(kind: &str) -> String {
+/// `name` of the op of `event_log` row `x`, as a CASE (cheaper than a join,
+/// and computed only when the column is used).
+fn op_name(x: &str) -> String {
     let arms: Vec<String> = Op::RECORDED
         .iter()
         .map(|&op| format!("WHEN {} THEN '{}'", op as u8, op.name()))
         .collect();
-    format!("CASE {kind} & 15 {} END", arms.join(" "))
+    format!("CASE {x}.kind & 15 {} END", arms.join(" "))
 }
 
-/// `column` (pid or tid) of the thread of an event of kind `kind`.
-fn thread(kind: &str, column: &str) -> String {
-    format!("(SELECT {column} FROM event_threads WHERE code = {kind} >> 4)")
-}
-
-/// The event whose id is `id`: rowid lookups of its group and slot in
-/// `event_rows` row `x`.
-fn by_id(x: &str, id: &str) -> String {
-    format!("{x}.g = ({id}) >> 4 AND {x}.k = ({id}) & 15")
+/// `column` (pid or tid) of the thread of `event_log` row `x`.
+fn thread(x: &str, column: &str) -> String {
+    format!("(SELECT {column} FROM event_threads WHERE code = {x}.kind >> 4)")
 }
 
 /// The block released by `event_log` row `x`, when `x.alloc_dist` names the
 /// event that allocated it.
 fn released_ptr(x: &str) -> String {
-    format!(
-        "(SELECT r.ptr FROM event_rows r WHERE {})",
-        by_id("r", &format!("{x}.id - {x}.alloc_dist"))
-    )
+    format!("(SELECT ptr FROM event_log WHERE id = {x}.id - {x}.alloc_dist)")
 }
 
 /// True for an allocation `a` (an event that returned a block) that no
@@ -243,34 +235,29 @@ pub fn unreleased(a: &str) -> String {
     )
 }
 
-/// The columns of `allocations` for a release `r` (a view row) joined with
-/// the allocation `a` it names (shared with `temporary`).
-fn pair_columns(a: &Ev) -> String {
+/// The columns of `allocations` for a release `r` left-joined with the
+/// allocation `a` it names (shared with `temporary`).
+fn pair_columns() -> String {
     format!(
-        "coalesce({a_ptr}, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
-       {a_size} AS size,
+        "coalesce(a.ptr, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
+       a.size AS size,
        {tid_a} AS tid,
        {pid_a} AS pid,
        {op_a} AS op,
-       {a_id} AS alloc_id,
-       {a_ts} AS alloc_ns,
+       a.id AS alloc_id,
+       a.ts_ns AS alloc_ns,
        r.ts_ns AS free_ns,
        {op_r} AS free_op,
        r.id AS free_id,
-       {a_stack} AS alloc_stack_id,
+       a.stack_id AS alloc_stack_id,
        r.stack_id AS free_stack_id,
        {tid_r} AS free_tid",
         free = Op::Free as u8,
-        a_ptr = a.ptr,
-        a_size = a.size,
-        a_id = a.id,
-        a_ts = a.ts_ns,
-        a_stack = a.stack_id,
-        tid_a = thread(&a.kind, "tid"),
-        pid_a = thread(&a.kind, "pid"),
-        op_a = op_name(&a.kind),
-        op_r = op_name("r.kind"),
-        tid_r = thread("r.kind", "tid"),
+        tid_a = thread("a", "tid"),
+        pid_a = thread("a", "pid"),
+        op_a = op_name("a"),
+        op_r = op_name("r"),
+        tid_r = thread("r", "tid"),
     )
 }
 
@@ -285,17 +272,17 @@ fn views() -> String {
          a.id AS alloc_id, a.ts_ns AS alloc_ns, NULL AS free_ns, NULL AS free_op,
          NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
          NULL AS free_tid",
-        tid = thread("a.kind", "tid"),
-        pid = thread("a.kind", "pid"),
-        op = op_name("a.kind"),
+        tid = thread("a", "tid"),
+        pid = thread("a", "pid"),
+        op = op_name("a"),
     );
     let exec_columns = format!(
         "a.ptr AS ptr, a.size AS size, {tid} AS tid, x.pid AS pid, {op} AS op,
          a.id AS alloc_id, a.ts_ns AS alloc_ns, x.ts_ns AS free_ns, 'exec' AS free_op,
          NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
          NULL AS free_tid",
-        tid = thread("a.kind", "tid"),
-        op = op_name("a.kind"),
+        tid = thread("a", "tid"),
+        op = op_name("a"),
     );
     let unreleased = unreleased("a");
     // The leaks of a finished trace are its rows of agg_live (those of
@@ -317,26 +304,8 @@ fn views() -> String {
         )
     };
     let (unless_agg, unless_finished) = (unless("agg_totals"), unless("trace_finished"));
-    // heap_over_time steps through every slot of every group, `e`, and
-    // looks up the allocation `a` each names; 1 when `e` returned a block,
-    // else 0 (also in a slot without an event).
-    let (e, a) = (Ev::slot("eg", "es.k"), Ev::slot("ag", "ak.k"));
-    let allocated = format!(
-        "coalesce({} & 15 <> {free} AND coalesce({}, 0) <> 0, 0)",
-        e.kind, e.ptr
-    );
-    let alloc_of_e = format!("{} - {}", e.id, e.alloc_dist);
-    let alloc_join = format!(
-        "LEFT JOIN event_groups ag ON ag.g = ({alloc_of_e}) >> 4
-    LEFT JOIN event_slots ak ON ak.k = ({alloc_of_e}) & 15 AND {}",
-        present("ag", "ak.k")
-    );
-    let alloc_of_r = "r.id - r.alloc_dist";
-    let pair_join = format!(
-        "LEFT JOIN event_groups ag ON ag.g = ({alloc_of_r}) >> 4
-LEFT JOIN event_slots ak ON ak.k = ({alloc_of_r}) & 15 AND {}",
-        present("ag", "ak.k")
-    );
+    // 1 when event `e` returned a block, else 0 (heap_over_time).
+    let allocated = format!("(e.kind & 15 <> {free} AND coalesce(e.ptr, 0) <> 0)");
     let line_loc = location("l");
     let frame_loc = location("f");
     format!(
@@ -360,60 +329,55 @@ SELECT {live_columns}
 FROM open_blocks b JOIN agg_live l ON l.alloc_id = b.alloc_id
 UNION ALL
 SELECT {leak_columns}
-FROM open_blocks b JOIN event_rows a ON {by_b}
+FROM open_blocks b JOIN event_log a ON a.id = b.alloc_id
 WHERE b.alloc_id <= {unless_agg}
 UNION ALL
 SELECT {leak_columns}
-FROM event_rows a
-WHERE a.g <= {unless_finished} AND {unreleased};
+FROM event_log a
+WHERE a.id <= {unless_finished} AND {unreleased};
 
 CREATE VIEW leaks_by_stack(stack_id, blocks, bytes) AS
 SELECT stack_id, blocks, bytes FROM finished_leaks
 UNION ALL
 SELECT a.stack_id, count(*), sum(a.size)
-FROM event_rows a
-WHERE a.g <= {unless_finished} AND {unreleased}
+FROM event_log a
+WHERE a.id <= {unless_finished} AND {unreleased}
 GROUP BY a.stack_id;
 
 CREATE VIEW allocations AS
-SELECT {pair_left}
+SELECT {pair_columns}
 FROM event_log r
-{pair_join}
+LEFT JOIN event_log a ON a.id = r.id - r.alloc_dist
 WHERE r.alloc_dist IS NOT NULL
    OR (r.kind & 15 = {free} AND r.ptr <> 0)
    OR (r.kind & 15 {realloc} AND r.arg <> 0 AND (r.ptr <> 0 OR r.size = 0))
 UNION ALL
 SELECT {exec_columns}
-FROM exec_releases x JOIN event_rows a ON {by_x}
+FROM exec_releases x JOIN event_log a ON a.id = x.alloc_id
 UNION ALL
 SELECT * FROM leaks;
 
 CREATE VIEW temporary AS
 SELECT {pair_columns}
-FROM event_rows r
-JOIN event_rows a ON {by_r}
+FROM event_log r
+JOIN event_log a ON a.id = r.id - r.alloc_dist
 WHERE r.alloc_dist IS NOT NULL
   AND a.kind >> 4 = r.kind >> 4
-  AND NOT EXISTS (SELECT 1 FROM event_rows x
-                  WHERE x.g >= a.g AND x.g <= r.g
-                    AND x.id > a.id AND x.id < r.id AND x.kind >> 4 = r.kind >> 4);
+  AND NOT EXISTS (SELECT 1 FROM event_log x
+                  WHERE x.id > a.id AND x.id < r.id AND x.kind >> 4 = r.kind >> 4);
 
 CREATE VIEW heap_over_time(id, ts_ns, delta, bytes, blocks) AS
-WITH RECURSIVE h(g, k, present, id, ts_ns, delta, dblocks, bytes, blocks) AS (
-    SELECT eg.g, es.k, {present_e}, {e_id}, {e_ts}, {delta}, {dblocks}, {delta}, {dblocks}
-    FROM event_groups eg JOIN event_slots es ON es.k = 0
-    {alloc_join}
-    WHERE eg.g = (SELECT min(g) FROM event_groups)
+WITH RECURSIVE h(id, ts_ns, delta, dblocks, bytes, blocks) AS (
+    SELECT e.id, e.ts_ns, {delta}, {dblocks}, {delta}, {dblocks}
+    FROM event_log e LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
+    WHERE e.id = (SELECT min(id) FROM event_log)
     UNION ALL
-    SELECT eg.g, es.k, {present_e}, {e_id}, {e_ts}, {delta}, {dblocks},
-           h.bytes + {delta}, h.blocks + {dblocks}
+    SELECT e.id, e.ts_ns, {delta}, {dblocks}, h.bytes + {delta}, h.blocks + {dblocks}
     FROM h
-    JOIN event_groups eg ON eg.g = CASE WHEN h.k < 15 THEN h.g
-        ELSE (SELECT min(x.g) FROM event_groups x WHERE x.g > h.g) END
-    JOIN event_slots es ON es.k = (h.k + 1) & 15
-    {alloc_join}
+    JOIN event_log e ON e.id = (SELECT min(x.id) FROM event_log x WHERE x.id > h.id)
+    LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
 )
-SELECT id, ts_ns, delta, bytes, blocks FROM h WHERE present;
+SELECT id, ts_ns, delta, bytes, blocks FROM h;
 
 CREATE VIEW frame_text(frame_id, text) AS
 SELECT f.id,
@@ -438,23 +402,13 @@ WITH RECURSIVE walk(id, text) AS (
 SELECT id, text FROM walk;
 ",
         trust_s = trust_mark("s"),
-        pid_e = thread("e.kind", "pid"),
-        tid_e = thread("e.kind", "tid"),
-        op_e = op_name("e.kind"),
+        pid_e = thread("e", "pid"),
+        tid_e = thread("e", "tid"),
+        op_e = op_name("e"),
         released_e = released_ptr("e"),
-        pair_columns = pair_columns(&Ev::alias("a")),
-        pair_left = pair_columns(&a),
-        by_b = by_id("a", "b.alloc_id"),
-        by_x = by_id("a", "x.alloc_id"),
-        by_r = by_id("a", "r.id - r.alloc_dist"),
-        present_e = present("eg", "es.k"),
-        e_id = e.id,
-        e_ts = e.ts_ns,
-        delta = format!(
-            "({allocated} * coalesce({}, 0) - coalesce({}, 0))",
-            e.size, a.size
-        ),
-        dblocks = format!("({allocated} - ({} IS NOT NULL))", a.id),
+        pair_columns = pair_columns(),
+        delta = format!("({allocated} * coalesce(e.size, 0) - coalesce(a.size, 0))"),
+        dblocks = format!("({allocated} - (a.id IS NOT NULL))"),
     )
 }
 
@@ -463,12 +417,7 @@ pub fn ddl() -> String {
     let mut sql = String::from(TABLES);
     sql.push_str(super::heap::HEAP_TABLES);
     sql.push_str(super::aggregates::AGGREGATE_TABLES);
-    sql.push_str(&super::groups::table_sql());
-    sql.push_str(&super::decode::event_views());
     sql.push_str(&views());
-    for k in 0..super::groups::SLOTS {
-        sql.push_str(&format!("INSERT INTO event_slots(k) VALUES ({k});\n"));
-    }
     for op in Op::RECORDED {
         sql.push_str(&format!(
             "INSERT INTO ops(code, name) VALUES ({}, '{}');\n",

@@ -3,7 +3,6 @@
 //! views over them in `events`.
 
 mod events;
-mod groups;
 mod heap;
 mod tables;
 

@@ -32,11 +32,7 @@ fn creates_the_schema() {
         "agg_sizes",
         "agg_totals",
         "allocations",
-        "event_extra",
-        "event_groups",
         "event_log",
-        "event_rows",
-        "event_slots",
         "event_threads",
         "events",
         "frame_lines",
@@ -63,7 +59,7 @@ fn creates_the_schema() {
             "{expected} in {names:?}"
         );
     }
-    assert_eq!(query_i64(&conn, "PRAGMA user_version"), 2);
+    assert_eq!(query_i64(&conn, "PRAGMA user_version"), 1);
     assert_eq!(query_i64(&conn, "SELECT count(*) FROM ops"), 11);
     // The contract's columns, by name.
     conn.prepare(
@@ -393,7 +389,7 @@ fn finish_with_a_reader_attached_keeps_the_data() {
     assert!(!Path::new(&wal).exists(), "the last reader removes the WAL");
 }
 
-/// An id SQLite cannot store fails its write, as an error, and the sink
+/// An id SQLite cannot store fails the commit, as an error, and the sink
 /// refuses to go on rather than number later rows wrongly.
 #[test]
 fn a_failed_write_stops_the_sink() {
@@ -401,9 +397,9 @@ fn a_failed_write_stops_the_sink() {
     let mut sink = SqliteSink::create(&dir.db()).unwrap();
     write_all(&mut sink, &[malloc(1, 0x1000, 8)]);
     sink.commit().unwrap();
-    assert!(sink.write(&malloc(u64::MAX, 0x2000, 8)).is_err());
-    assert!(sink.write(&malloc(2, 0x3000, 8)).is_err());
+    sink.write(&malloc(u64::MAX, 0x2000, 8)).unwrap();
     assert!(sink.commit().is_err());
+    assert!(sink.write(&malloc(2, 0x3000, 8)).is_err());
     drop(sink);
     assert_eq!(
         query_i64(&read(&dir.db()), "SELECT count(*) FROM events"),
