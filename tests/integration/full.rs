@@ -11,7 +11,7 @@ use crate::support::{
     Background, Trace, Variant, memptrace, open_trace, proc_status, run, scratch, tracee,
 };
 
-/// 2 MiB: the filler's 2 M calls need about 15 MiB.
+/// 2 MiB: the filler's 2 M calls need about 30 MiB.
 const LIMIT: &str = "2M";
 const REASON: &str = "the trace database reached --max-size (2097152 bytes)";
 
