@@ -136,12 +136,7 @@ impl Images<'_> {
     /// Re-read the process's images, hook new ones and tell the pipeline.
     /// Returns signals that arrived while system calls were injected.
     pub fn refresh(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        let Some(space) = self
-            .family
-            .processes
-            .get_mut(&pid)
-            .and_then(|p| p.space.as_mut())
-        else {
+        let Some(space) = self.family.space_mut(pid) else {
             return Ok(Vec::new());
         };
         let changes = space.refresh(tid, &mut self.book.next_module_id)?;

@@ -379,16 +379,9 @@ impl Family {
         let (Role::Shares { parent }, Some(by)) = (process.role, process.paused) else {
             return;
         };
-        let control = self
-            .processes
-            .get_mut(&parent)
-            .and_then(|p| p.space.as_mut())
-            .and_then(|s| s.control_mut());
-        if let Some(control) = control {
+        if let Some(control) = self.space_mut(parent).and_then(|s| s.control_mut()) {
             control.pause(by, false);
-            for slot in control.slots_of(pid) {
-                control.release(slot);
-            }
+            control.release_all_of(pid);
         }
     }
 }

@@ -94,15 +94,8 @@ impl Booking {
             return;
         };
         self.drain_process(family, stats, pid, false);
-        let control = family
-            .processes
-            .get_mut(&pid)
-            .and_then(|p| p.space.as_mut())
-            .and_then(|s| s.control_mut());
-        if let Some(control) = control {
-            for slot in control.slots_of(tid) {
-                control.release(slot);
-            }
+        if let Some(control) = family.space_mut(pid).and_then(|s| s.control_mut()) {
+            control.release_all_of(tid);
         }
     }
 }

@@ -432,6 +432,13 @@ impl Control {
         )
     }
 
+    /// Release every slot thread (or vfork child) `tid` holds.
+    pub fn release_all_of(&mut self, tid: Tid) {
+        for i in self.slots_of(tid) {
+            self.release(i);
+        }
+    }
+
     /// Record nothing of thread `tid`'s calls (`paused`), or again.
     pub fn pause(&self, tid: Tid, paused: bool) {
         for i in self.slots_of(tid) {
