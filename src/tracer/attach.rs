@@ -20,8 +20,8 @@ use super::space::Space;
 use super::space::images::Ahead;
 use super::stop::Stopped;
 use super::stopping::Stopping;
+use super::target::{Live, Target};
 use super::{Control, Progress, TraceError, TraceOptions, Tracer};
-use crate::os::procfs;
 use crate::os::ptrace::{self, Tid};
 use crate::unwind::pipeline::PipelineHandle;
 
@@ -47,7 +47,8 @@ impl Tracer {
         progress: Arc<Progress>,
         heap_facts: crate::heap::Facts,
     ) -> Result<Tracer, TraceError> {
-        match procfs::tgid(pid) {
+        let mut target = Live;
+        match target.tgid(pid) {
             None => return Err(TraceError::NoSuchProcess(pid)),
             Some(tgid) if tgid != pid => {
                 return Err(TraceError::NotAProcess {
@@ -71,7 +72,7 @@ impl Tracer {
             .family
             .processes
             .insert(pid, Process::new(Role::Traced, None));
-        let seized = seize_all(pid)?;
+        let seized = seize_all(&mut target, pid)?;
         for &tid in &seized {
             tracer.add_thread(tid, pid);
         }
@@ -114,8 +115,13 @@ impl Tracer {
         // before its child execs or exits (see `inject::leave_system_call`).
         // If the process's only thread is that vfork parent, its child,
         // which runs in the same memory from a clean first stop, does it.
+        let vforking: HashSet<Tid> = [pid]
+            .into_iter()
+            .chain(resume.keys().copied())
+            .filter(|&t| self.target.event_of(t) == Some(libc::PTRACE_EVENT_VFORK))
+            .collect();
         let family = &self.family;
-        let free = |tid: &Tid| ptrace::event_of(*tid) != Some(libc::PTRACE_EVENT_VFORK);
+        let free = |tid: &Tid| !vforking.contains(tid);
         let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_))) && free(tid);
         let ours = |tid: &Tid| family.pid_of(*tid) == Some(pid);
         let shares = |tid: &Tid| {
@@ -170,11 +176,11 @@ impl Tracer {
                 Resume::Listen => {
                     if tid == worker {
                         for sig in arrived.drain(..) {
-                            let _ = ptrace::tgkill(pid, tid, sig);
+                            let _ = self.target.tgkill(pid, tid, sig);
                         }
                     }
                     self.control.held.remove(&tid);
-                    ptrace::unless_gone(ptrace::listen(tid))?;
+                    ptrace::unless_gone(self.target.listen(tid))?;
                 }
                 Resume::Cont(sig) => {
                     let mut signals: Vec<i32> = (sig != 0).then_some(sig).into_iter().collect();
@@ -199,7 +205,7 @@ impl Tracer {
     fn stop_all(&mut self, pid: Tid, seized: &[Tid]) -> Result<HashMap<Tid, Resume>, TraceError> {
         let mut waiting: HashSet<Tid> = HashSet::new();
         for &tid in seized {
-            if ptrace::interrupt(tid).is_ok() {
+            if self.target.interrupt(tid).is_ok() {
                 waiting.insert(tid);
             }
         }
@@ -237,7 +243,7 @@ impl Tracer {
             match Stopped::of(stop) {
                 Stopped::Gone => {
                     resume.remove(&tid);
-                    self.thread_gone(tid, stop)?;
+                    self.life().thread_gone(tid, stop)?;
                     if tid == pid {
                         return Err(TraceError::NoSuchProcess(pid));
                     }
@@ -295,11 +301,11 @@ fn sorted(tids: &HashSet<Tid>) -> Vec<Tid> {
 
 /// Seize every thread of `pid`, again and again until no new one appears:
 /// a thread not yet seized can create threads that nobody auto-attaches.
-fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
+fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError> {
     let mut seen = HashSet::new();
     let mut seized = Vec::new();
     loop {
-        let tids = match procfs::threads(pid) {
+        let tids = match target.threads(pid) {
             Ok(tids) => tids,
             Err(_) if seized.is_empty() => return Err(TraceError::NoSuchProcess(pid)),
             Err(_) => break,
@@ -312,7 +318,7 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
             new = true;
             // Never EXITKILL: memptrace's death must not kill a process it
             // attached to (see `tracer::failopen`).
-            match ptrace::seize(tid, ptrace::ATTACH_OPTIONS) {
+            match target.seize(tid, ptrace::ATTACH_OPTIONS) {
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile, or is exiting (the kernel refuses a
                 // thread whose exit has begun with EPERM), or it is already
@@ -322,16 +328,16 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
                 Err(err)
                     if tid != pid
                         && (err.raw_os_error() == Some(libc::ESRCH)
-                            || procfs::thread_ending(pid, tid)
-                            || procfs::thread_tracer(pid, tid)
+                            || target.thread_ending(pid, tid)
+                            || target.thread_tracer(pid, tid)
                                 == Some(std::process::id() as Tid)) => {}
                 Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
-                    release(&seized);
+                    release(target, &seized);
                     return Err(TraceError::NoSuchProcess(pid));
                 }
                 Err(source) => {
-                    release(&seized);
-                    let tracer = procfs::tracer_pid(pid).filter(|&t| t != 0);
+                    release(target, &seized);
+                    let tracer = target.tracer_pid(pid).filter(|&t| t != 0);
                     return Err(TraceError::Denied {
                         pid,
                         source,
@@ -348,8 +354,106 @@ fn seize_all(pid: Tid) -> Result<Vec<Tid>, TraceError> {
 }
 
 /// Detach threads seized but never stopped (PTRACE_DETACH needs a stop).
-fn release(seized: &[Tid]) {
+fn release(target: &mut impl Target, seized: &[Tid]) {
     for &tid in seized {
-        super::detach::detach_running(tid);
+        super::detach::detach_running(target, tid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tracer::target::fake::{Call, FakeTarget};
+
+    fn seized(fake: &FakeTarget) -> Vec<Tid> {
+        let calls = fake.calls.iter();
+        calls
+            .filter_map(|c| match c {
+                Call::Seize(t) => Some(*t),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_thread_is_seized_and_none_is_stopped() {
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[12, 10, 11]);
+        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11, 12]);
+        assert_eq!(seized(&fake), [10, 11, 12]);
+        assert!(fake.threads.values().all(|t| !t.stopped));
+        assert!(fake.pending.is_empty());
+    }
+
+    #[test]
+    fn a_dying_thread_is_passed_over_but_a_dying_leader_is_an_error() {
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[10, 11, 12]);
+        fake.ending.insert(12);
+        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11]);
+
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[10, 11]);
+        fake.ending.insert(10);
+        let err = seize_all(&mut fake, 10).unwrap_err();
+        assert!(matches!(err, TraceError::Denied { pid: 10, .. }), "{err}");
+    }
+
+    #[test]
+    fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() {
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[10, 11, 12]);
+        fake.foreign.insert(11, 4242);
+        fake.foreign.insert(10, 4242);
+        let err = seize_all(&mut fake, 10).unwrap_err();
+        // The leader is held already: nothing was seized, the tracer named.
+        assert!(
+            matches!(
+                err,
+                TraceError::Denied {
+                    pid: 10,
+                    tracer: Some(4242),
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(fake.threads.is_empty());
+
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[10, 11, 12]);
+        fake.foreign.insert(11, 4242);
+        let err = seize_all(&mut fake, 10).unwrap_err();
+        assert!(matches!(
+            err,
+            TraceError::Denied {
+                pid: 10,
+                tracer: None,
+                ..
+            }
+        ));
+        // 10 was seized before 11 refused: stopped, then detached, running.
+        assert_eq!(
+            fake.calls,
+            [Call::Seize(10), Call::Interrupt(10), Call::Detach(10, 0)]
+        );
+        assert!(fake.threads.is_empty());
+    }
+
+    #[test]
+    fn a_thread_memptrace_holds_already_is_not_seized_again() {
+        // Made by a thread seized a moment ago, it was attached with its
+        // birth (PTRACE_O_TRACECLONE).
+        let mut fake = FakeTarget::new();
+        fake.process(10, &[10, 11]);
+        fake.foreign.insert(11, std::process::id() as Tid);
+        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+    }
+
+    #[test]
+    fn no_such_process() {
+        let mut fake = FakeTarget::new();
+        let err = seize_all(&mut fake, 10).unwrap_err();
+        assert!(matches!(err, TraceError::NoSuchProcess(10)));
     }
 }

@@ -12,7 +12,6 @@ use super::process::{Child, Family, Process, Role, Thread};
 use super::space::Space;
 use super::target::Target;
 use super::{TraceError, Tracer, detach};
-use crate::os::procfs;
 use crate::os::ptrace::{self, Stop, Tid};
 
 impl Tracer {
@@ -25,7 +24,7 @@ impl Tracer {
         event: i32,
         stopped: bool,
     ) -> Result<(), TraceError> {
-        let child = ptrace::event_msg(tid)? as Tid;
+        let child = self.target.event_msg(tid)? as Tid;
         let pid = self.family.pid_of(tid).unwrap_or(tid);
         let kind = match event {
             libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
@@ -33,7 +32,7 @@ impl Tracer {
                 parent: pid,
                 by: tid,
             },
-            _ if procfs::tgid(child) == Some(pid) => Child::Thread { pid },
+            _ if self.target.tgid(child) == Some(pid) => Child::Thread { pid },
             // A clone that is not a thread may share memory (CLONE_VM):
             // treat it like vfork, never touch the shared code.
             _ => Child::Shared {
@@ -111,7 +110,7 @@ impl Tracer {
                 }
             }
             for sig in signals {
-                let _ = ptrace::tgkill(tid, tid, sig);
+                let _ = self.target.tgkill(tid, tid, sig);
             }
         }
         let now = self.now_ns();
@@ -145,7 +144,13 @@ impl Family {
     /// clone with CLONE_VM that outlived it) get the original code back
     /// through the dead process's open /proc/PID/mem, which still holds the
     /// shared memory, and are released.
-    pub fn release_sharers(&mut self, pid: Tid, mut space: Space, warnings: &mut Vec<String>) {
+    pub fn release_sharers(
+        &mut self,
+        target: &mut impl Target,
+        pid: Tid,
+        mut space: Space,
+        warnings: &mut Vec<String>,
+    ) {
         let sharers: Vec<Tid> = self
             .processes
             .iter()
@@ -163,7 +168,7 @@ impl Family {
             for t in self.threads_of(child) {
                 self.threads.remove(&t);
                 // It is running: PTRACE_DETACH needs a stop first.
-                detach::detach_running(t);
+                detach::detach_running(target, t);
             }
         }
     }
@@ -192,7 +197,7 @@ impl Family {
                         if i == 0 {
                             deliver = sig;
                         } else {
-                            let _ = ptrace::tgkill(tid, tid, sig);
+                            let _ = target.tgkill(tid, tid, sig);
                         }
                     }
                 }

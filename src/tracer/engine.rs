@@ -7,6 +7,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use super::stop::Stopped;
+use super::target::Target;
 use super::{Ending, TraceError, TraceStats, Tracer, failure, signal_name};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::signals;
@@ -96,13 +97,13 @@ impl Tracer {
         if self.jumps() {
             return self.next_stop_reading_rings();
         }
-        if let Some(found) = self.stops.poll()? {
+        if let Some(found) = self.stops.poll(&mut self.target)? {
             return Ok(Some(found));
         }
         // The pipeline is gone if this fails; the wait loop finds out when
         // it sends next.
         let _ = self.flush();
-        self.stops.wait()
+        self.stops.wait(&mut self.target)
     }
 
     /// With jump probes: read the rings between stops; with nothing to read
@@ -114,13 +115,13 @@ impl Tracer {
         let read = self
             .book
             .drain_rings(&mut self.family, &mut self.stats, false);
-        if let Some(found) = self.stops.poll_once()? {
+        if let Some(found) = self.stops.poll_once(&mut self.target)? {
             return Ok(Some(found));
         }
         if read == 0 {
             let _ = self.flush();
             signals::wait_child(Duration::from_millis(1));
-            return self.stops.poll_once();
+            return self.stops.poll_once(&mut self.target);
         }
         Ok(None)
     }
@@ -178,7 +179,7 @@ impl Tracer {
             self.finish_inventory(true);
         }
         match stopped {
-            Stopped::Gone => self.thread_gone(tid, stop),
+            Stopped::Gone => self.life().thread_gone(tid, stop),
             Stopped::Trap if self.family.step_ended(&mut self.target, tid) => self.resume(tid, 0),
             Stopped::Trap => self.serve().trap(tid),
             Stopped::Fault(_) if self.family.copy_faulted(&mut self.target, tid) => Ok(self
@@ -220,7 +221,7 @@ impl Tracer {
                 }
                 self.resume(tid, 0)
             }
-            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(ptrace::listen(tid))?),
+            Stopped::GroupStop(_) => Ok(ptrace::unless_gone(self.target.listen(tid))?),
             Stopped::Interrupt => self.resume(tid, 0),
         }
     }

@@ -15,7 +15,7 @@ use super::target::Target;
 use super::{TraceError, TraceStats, Tracer};
 use crate::memory::Memory;
 use crate::os::mem;
-use crate::os::ptrace::{self, Regs, Tid};
+use crate::os::ptrace::{Regs, Tid};
 
 /// How long threads in a probe's code run at first before they are
 /// stopped again at detach, and at most (doubled at each round).
@@ -162,7 +162,7 @@ impl Tracer {
         let mut inside = Vec::new();
         let tids: Vec<Tid> = self.family.threads.keys().copied().collect();
         for tid in tids {
-            let Ok(mut regs) = ptrace::get_regs(tid) else {
+            let Ok(mut regs) = self.target.regs(tid) else {
                 continue; // gone
             };
             let Some(space) = self.family.space_of(tid) else {
@@ -175,7 +175,7 @@ impl Tracer {
             // the restored entry.
             if let Some(hook) = space.hooks.missed(regs.rip.wrapping_sub(1)) {
                 regs.rip = hook.addr;
-                ptrace::set_regs(tid, &regs)?;
+                self.target.set_regs(tid, &regs)?;
                 continue;
             }
             if space.leave_areas(&mut regs.clone()).is_none() {
@@ -204,7 +204,7 @@ impl Tracer {
         let mut waiting: HashSet<Tid> = HashSet::new();
         for &tid in tids {
             let sig = deliver.remove(&tid).unwrap_or(0);
-            if ptrace::cont(tid, sig).is_ok() {
+            if self.target.cont(tid, sig).is_ok() {
                 waiting.insert(tid);
             }
         }
@@ -213,7 +213,7 @@ impl Tracer {
         }
         std::thread::sleep(run);
         for &tid in &waiting {
-            let _ = ptrace::interrupt(tid);
+            let _ = self.target.interrupt(tid);
         }
         self.stop_again(waiting, deliver, deadline)
     }
@@ -232,13 +232,13 @@ impl Tracer {
         while !waiting.is_empty() && Instant::now() < deadline {
             let tid = *waiting.iter().next().unwrap_or(&0);
             let step = (Instant::now() + super::PATIENCE / 16).min(deadline);
-            match ptrace::wait_tid_until(tid, step)? {
+            match self.target.wait_tid_until(tid, step)? {
                 None => {
                     if kicked.elapsed() >= super::PATIENCE / 8 {
                         // Between two states (leaving a system call): ask
                         // again.
                         for &tid in &waiting {
-                            let _ = ptrace::interrupt(tid);
+                            let _ = self.target.interrupt(tid);
                         }
                         kicked = Instant::now();
                     }

@@ -32,6 +32,9 @@ mod images;
 mod inject;
 mod jumps;
 mod ledger;
+mod life;
+#[cfg(test)]
+mod life_tests;
 mod mappings;
 mod merge;
 mod outbox;
@@ -62,6 +65,7 @@ use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
 use calls::Serve;
 use images::Images;
+use life::Life;
 use merge::TscClock;
 use outbox::Outbox;
 use process::{Family, Process, Role};
@@ -244,6 +248,21 @@ struct Control {
     deadline: Option<Instant>,
 }
 
+impl Control {
+    /// The trace of `root`, launched (an attach says so), ended at
+    /// `deadline` if one is set.
+    fn new(root: Tid, deadline: Option<Instant>) -> Control {
+        Control {
+            root,
+            ending: None,
+            last_tick: signals::ticks(),
+            held: HashMap::new(),
+            attached: false,
+            deadline,
+        }
+    }
+}
+
 pub struct Tracer {
     opts: TraceOptions,
     family: Family,
@@ -297,14 +316,7 @@ impl Tracer {
             book,
             heaps: heapmaps::HeapMaps::new(heap_facts),
             stats: TraceStats::default(),
-            control: Control {
-                root,
-                ending: None,
-                last_tick: signals::ticks(),
-                held: HashMap::new(),
-                attached: false,
-                deadline,
-            },
+            control: Control::new(root, deadline),
             target: Live,
         }
     }
@@ -393,6 +405,19 @@ impl Tracer {
         (images, &mut self.target)
     }
 
+    /// The parts a lifecycle step concerns (see [`life`]).
+    fn life(&mut self) -> Life<'_, Live> {
+        Life {
+            opts: &self.opts,
+            family: &mut self.family,
+            stops: &mut self.stops,
+            book: &mut self.book,
+            stats: &mut self.stats,
+            control: &mut self.control,
+            target: &mut self.target,
+        }
+    }
+
     /// The parts serving a breakpoint stop concerns (see [`calls`]).
     fn serve(&mut self) -> Serve<'_, Live> {
         Serve {
@@ -466,61 +491,6 @@ impl Tracer {
 
     fn note_copy_fault(&mut self, tid: Tid) {
         self.family.note_copy_fault(&mut self.stats, tid);
-    }
-
-    fn thread_gone(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
-        self.book
-            .settle_copy(&mut self.family, &mut self.target, tid, false);
-        self.stops.forget(tid);
-        if let Some(b) = self.family.space_of_mut(tid).and_then(|s| s.buffers_mut()) {
-            b.release(tid);
-        }
-        if self.family.pid_of(tid) == Some(tid) {
-            self.family.end_sharing(tid);
-        }
-        let Some(mut thread) = self.family.threads.remove(&tid) else {
-            return Ok(());
-        };
-        if let Some(lu) = self
-            .family
-            .processes
-            .get_mut(&thread.pid)
-            .and_then(|p| p.libunwind.as_mut())
-        {
-            lu.forget_thread(tid);
-        }
-        self.stats.lost_returns += thread.take_calls().len() as u64;
-        if tid != thread.pid {
-            return Ok(());
-        }
-        // The leader's exit is reported last: the whole process is gone.
-        self.images().0.warn_if_unhooked(tid);
-        self.book
-            .drain_process(&mut self.family, &mut self.stats, tid, true);
-        self.stats.count_probes(&mut self.family, tid);
-        for t in self.family.threads_of(tid) {
-            self.book
-                .settle_copy(&mut self.family, &mut self.target, t, false);
-            self.family.threads.remove(&t);
-        }
-        if let Some(process) = self.family.processes.remove(&tid) {
-            if process.recorded() {
-                self.send(TraceMsg::ProcessGone { pid: tid as u32 });
-                let _ = self.book.ledger.forget_process(tid as u32);
-            }
-            if let Some(space) = process.space {
-                self.family
-                    .release_sharers(tid, space, &mut self.stats.warnings);
-            }
-        }
-        if tid == self.control.root {
-            self.control.ending = Some(match stop {
-                Stop::Killed { sig, core } => Ending::Killed { sig, core },
-                Stop::Exited(code) => Ending::Exited(code),
-                _ => Ending::Exited(0),
-            });
-        }
-        Ok(())
     }
 }
 

@@ -38,7 +38,7 @@ impl Family {
     ) -> io::Result<()> {
         let pid = self.pid_of(tid).unwrap_or(tid);
         for &sig in signals.iter().skip(1) {
-            let _ = ptrace::tgkill(pid, tid, sig);
+            let _ = target.tgkill(pid, tid, sig);
         }
         self.resume(target, tid, signals.first().copied().unwrap_or(0))
     }
@@ -66,6 +66,29 @@ mod tests {
         assert_eq!(
             target.calls,
             vec![Call::Listen(7), Call::Cont(8, 0), Call::Cont(9, 0)]
+        );
+    }
+
+    #[test]
+    fn signals_beyond_the_first_are_queued_by_tgkill_before_it_runs() {
+        let family = Family::default();
+        let mut target = FakeTarget::new();
+        target.process(9, &[9]);
+        target.stopped_at(9, 0x1000, 0x7000);
+        family
+            .resume_with(
+                &mut target,
+                9,
+                &[libc::SIGUSR1, libc::SIGUSR2, libc::SIGRTMIN()],
+            )
+            .unwrap();
+        assert_eq!(
+            target.calls,
+            vec![
+                Call::Tgkill(9, libc::SIGUSR2),
+                Call::Tgkill(9, libc::SIGRTMIN()),
+                Call::Cont(9, libc::SIGUSR1)
+            ]
         );
     }
 

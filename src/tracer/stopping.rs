@@ -104,7 +104,7 @@ impl Tracer {
         deliver: &mut HashMap<Tid, i32>,
     ) -> Result<bool, TraceError> {
         match Stopped::of(stop) {
-            Stopped::Gone => self.thread_gone(tid, stop)?,
+            Stopped::Gone => self.life().thread_gone(tid, stop)?,
             // The end of a step into a signal handler: the thread is at
             // its first instruction, and is detached there.
             Stopped::Trap if self.family.step_ended(&mut self.target, tid) => {}
@@ -113,9 +113,9 @@ impl Tracer {
                 // A probe's stack walk faulted: the thread leaves the probe
                 // with the others; the program never sees it.
                 let to = self.walk_faulted(tid).unwrap_or_default();
-                if let Ok(mut regs) = ptrace::get_regs(tid) {
+                if let Ok(mut regs) = self.target.regs(tid) {
                     regs.rip = to;
-                    let _ = ptrace::set_regs(tid, &regs);
+                    let _ = self.target.set_regs(tid, &regs);
                 }
                 self.stats.walk_faults += 1;
             }
@@ -150,7 +150,7 @@ impl Tracer {
                 let pid = self.family.pid_of(tid).unwrap_or(tid);
                 if self.family.at_int3(&mut self.target, tid) && sigtrap_pending(pid, tid) {
                     // Let the queued trap be reported, then settle it.
-                    ptrace::cont(tid, 0)?;
+                    self.target.cont(tid, 0)?;
                     return Ok(false);
                 }
             }
@@ -166,7 +166,7 @@ impl Tracer {
                 Stopping::NoneLeft => break,
                 Stopping::Known(tid, stop) => {
                     // A known thread's stop is not this loop's: kept.
-                    ptrace::keep_for_later(tid, stop);
+                    self.target.keep_for_later(tid, stop);
                     break;
                 }
                 _ => {}
@@ -180,7 +180,7 @@ impl Tracer {
     /// resumed (a forked child is cleaned and released); the first stop of
     /// one whose birth is not announced yet is kept for when it is.
     pub(super) fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
-        let (tid, stop) = match self.stops.wait() {
+        let (tid, stop) = match self.stops.wait(&mut self.target) {
             Ok(Some(found)) => found,
             Ok(None) => return Ok(Stopping::Nothing),
             Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),

@@ -12,7 +12,8 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::time::{Duration, Instant};
 
-use crate::os::ptrace::{self, Stop, Tid};
+use super::target::Target;
+use crate::os::ptrace::{Stop, Tid};
 
 /// How long the tracer polls for the next stop before it sleeps: on
 /// virtual machines, waking a tracer whose CPU went idle costs far more
@@ -32,13 +33,13 @@ pub struct Stops {
 impl Stops {
     /// The next stop to serve, polling for a while; `None` when no thread
     /// stopped meanwhile.
-    pub fn poll(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+    pub fn poll(&mut self, target: &mut impl Target) -> io::Result<Option<(Tid, Stop)>> {
         if let Some(found) = self.take() {
             return Ok(Some(found));
         }
         let deadline = Instant::now() + SPIN;
         loop {
-            if self.gather()? {
+            if self.gather(target)? {
                 return Ok(self.take());
             }
             if Instant::now() >= deadline {
@@ -50,20 +51,20 @@ impl Stops {
 
     /// The next stop to serve, sleeping until there is one; `None` when one
     /// of memptrace's own signals (or its tick) interrupted the sleep.
-    pub fn wait(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+    pub fn wait(&mut self, target: &mut impl Target) -> io::Result<Option<(Tid, Stop)>> {
         if let Some(found) = self.take() {
             return Ok(Some(found));
         }
-        let kept = ptrace::take_kept();
+        let kept = target.take_kept();
         if !kept.is_empty() {
             self.queue(kept);
             return Ok(self.take());
         }
-        let Some(first) = ptrace::wait_any()? else {
+        let Some(first) = target.wait_any()? else {
             return Ok(None);
         };
         self.ready.push_back(first);
-        self.gather()?;
+        self.gather(target)?;
         Ok(self.take())
     }
 
@@ -73,8 +74,8 @@ impl Stops {
     }
 
     /// The stops ready now, if any, without waiting.
-    pub fn poll_once(&mut self) -> io::Result<Option<(Tid, Stop)>> {
-        self.gather()?;
+    pub fn poll_once(&mut self, target: &mut impl Target) -> io::Result<Option<(Tid, Stop)>> {
+        self.gather(target)?;
         Ok(self.take())
     }
 
@@ -99,10 +100,10 @@ impl Stops {
 
     /// Take every stop ready now, and queue them least recently served
     /// first. True when any was taken.
-    fn gather(&mut self) -> io::Result<bool> {
-        let mut found = ptrace::take_kept();
+    fn gather(&mut self, target: &mut impl Target) -> io::Result<bool> {
+        let mut found = target.take_kept();
         loop {
-            match ptrace::poll_any() {
+            match target.poll_any() {
                 Ok(Some(stop)) => found.push(stop),
                 Ok(None) => break,
                 // Nothing left to wait for, once the last exit is taken.
@@ -125,6 +126,7 @@ impl Stops {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tracer::target::fake::FakeTarget;
 
     #[test]
     fn serves_the_thread_served_longest_ago_first() {
@@ -163,11 +165,45 @@ mod tests {
             sig: libc::SIGSYS,
             core: false,
         };
-        ptrace::keep_for_later(77, killed);
+        let mut target = FakeTarget::new();
+        target.keep_for_later(77, killed);
+        target.report(78, Stop::Exited(0));
         let mut stops = Stops::default();
-        // (`wait`, which takes it before any waitpid: this test process has
-        // children of other tests that it must not reap.)
-        assert_eq!(stops.wait().unwrap(), Some((77, killed)));
-        assert_eq!(ptrace::take_kept(), Vec::new());
+        // Taken before any stop the kernel reports.
+        assert_eq!(stops.wait(&mut target).unwrap(), Some((77, killed)));
+        assert_eq!(target.take_kept(), Vec::new());
+        assert_eq!(
+            stops.wait(&mut target).unwrap(),
+            Some((78, Stop::Exited(0)))
+        );
+    }
+
+    #[test]
+    fn every_stop_ready_is_taken_and_served_in_turn() {
+        let mut target = FakeTarget::new();
+        let trap = Stop::Signal(libc::SIGTRAP);
+        let mut stops = Stops::default();
+        // 1 is served; then 2 and 1 stop together: 2, never served, first.
+        target.report(1, trap);
+        assert_eq!(stops.poll(&mut target).unwrap(), Some((1, trap)));
+        target.report(1, trap);
+        target.report(2, trap);
+        assert_eq!(stops.poll(&mut target).unwrap(), Some((2, trap)));
+        assert_eq!(stops.ready(), Some((1, trap)));
+        assert_eq!(stops.poll_once(&mut target).unwrap(), None);
+        // A sleeping wait serves the stop that woke it first, then the
+        // others ready with it in turn.
+        target.report(1, trap);
+        target.report(3, trap);
+        target.report(2, trap);
+        assert_eq!(stops.wait(&mut target).unwrap(), Some((1, trap)));
+        assert_eq!(stops.ready(), Some((3, trap)));
+        assert_eq!(stops.ready(), Some((2, trap)));
+        // Nothing is left to report: the blocking wait says so.
+        assert!(
+            stops
+                .wait(&mut target)
+                .is_err_and(|e| e.raw_os_error() == Some(libc::ECHILD))
+        );
     }
 }

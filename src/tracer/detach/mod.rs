@@ -19,8 +19,7 @@ use super::process::{Family, Role};
 use super::stopping::Stopping;
 use super::target::{Live, Target};
 use super::{TraceError, TraceStats, Tracer};
-use crate::os::procfs;
-use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::ptrace::{Stop, Tid};
 
 mod leave;
 mod release;
@@ -29,23 +28,23 @@ use release::Release;
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
-pub(super) fn detach_running(tid: Tid) {
-    if ptrace::interrupt(tid).is_err() {
+pub(super) fn detach_running(target: &mut impl Target, tid: Tid) {
+    if target.interrupt(tid).is_err() {
         return;
     }
     // Bounded: a thread that never stops (uninterruptible sleep) is left
     // to the kernel, which lets it go when memptrace exits.
     let deadline = Instant::now() + super::PATIENCE;
-    match ptrace::wait_tid_until(tid, deadline) {
+    match target.wait_tid_until(tid, deadline) {
         Ok(Some(stop @ (Stop::Exited(_) | Stop::Killed { .. }))) => {
-            ptrace::keep_for_later(tid, stop);
+            target.keep_for_later(tid, stop);
         }
         Ok(None) | Err(_) => {}
         Ok(Some(Stop::Signal(sig))) => {
-            let _ = ptrace::detach(tid, sig);
+            let _ = target.detach(tid, sig);
         }
         Ok(Some(_)) => {
-            let _ = ptrace::detach(tid, 0);
+            let _ = target.detach(tid, 0);
         }
     }
 }
@@ -114,7 +113,7 @@ impl Tracer {
                         // A thread between two states (leaving a system
                         // call, a group-stop) is asked again.
                         for &tid in &waiting {
-                            let _ = ptrace::interrupt(tid);
+                            let _ = self.target.interrupt(tid);
                         }
                         kicked = Instant::now();
                     }
@@ -228,9 +227,10 @@ impl TraceStats {
     /// Process `pid`'s trampoline pages could not be unmapped (`why`): a
     /// warning, unless the process is gone or dying (its memory goes with
     /// it: a backend of a forking server that ended during the detach).
-    pub fn left_mapped(&mut self, pid: Tid, why: Option<String>) {
-        let dying = procfs::threads(pid)
-            .map(|threads| threads.iter().all(|&t| procfs::thread_ending(pid, t)))
+    pub fn left_mapped(&mut self, target: &mut impl Target, pid: Tid, why: Option<String>) {
+        let dying = target
+            .threads(pid)
+            .map(|threads| threads.iter().all(|&t| target.thread_ending(pid, t)))
             .unwrap_or(true);
         if dying {
             return;

@@ -96,12 +96,12 @@ impl<T: Target> Release<'_, T> {
         // goes on into its vfork (asked to stop once out of it) and is
         // detached later, by which time its child runs.
         for &tid in &tids {
-            if ptrace::event_of(tid) == Some(libc::PTRACE_EVENT_VFORK) {
+            if self.target.event_of(tid) == Some(libc::PTRACE_EVENT_VFORK) {
                 let sig = deliver.remove(&tid).unwrap_or(0);
                 // Nothing it makes from now on is attached to memptrace (a
                 // next vfork's child would hold it again), and memptrace's
                 // exit does not kill it (see `ptrace::RELEASE_OPTIONS`).
-                let _ = ptrace::set_options(tid, ptrace::RELEASE_OPTIONS);
+                let _ = self.target.set_options(tid, ptrace::RELEASE_OPTIONS);
                 // This stop, if queued, is over once it runs.
                 let _ = self.stops.take_of(tid);
                 if self.target.cont(tid, sig).is_ok() {
@@ -127,7 +127,7 @@ impl<T: Target> Release<'_, T> {
                 .filter(|&t| self.family.pid_of(t) == Some(pid))
                 .filter(|&t| {
                     !matches!(
-                        ptrace::event_of(t),
+                        self.target.event_of(t),
                         Some(libc::PTRACE_EVENT_EXIT | libc::PTRACE_EVENT_VFORK)
                     )
                 })
@@ -153,7 +153,7 @@ impl<T: Target> Release<'_, T> {
                 }
             }
             if keep_pages.contains(&pid) || workers.is_empty() {
-                self.stats.left_mapped(pid, None);
+                self.stats.left_mapped(self.target, pid, None);
                 continue;
             }
             let mut last_error = None;
@@ -164,7 +164,7 @@ impl<T: Target> Release<'_, T> {
                             if let Entry::Vacant(e) = deliver.entry(worker) {
                                 e.insert(sig);
                             } else {
-                                let _ = ptrace::tgkill(pid, worker, sig);
+                                let _ = self.target.tgkill(pid, worker, sig);
                             }
                         }
                         last_error = None;
@@ -180,7 +180,8 @@ impl<T: Target> Release<'_, T> {
                 }
             }
             if let Some(err) = last_error {
-                self.stats.left_mapped(pid, Some(err.to_string()));
+                self.stats
+                    .left_mapped(self.target, pid, Some(err.to_string()));
             }
         }
         Ok(Restored { tids, deferred })
@@ -231,12 +232,12 @@ impl<T: Target> Release<'_, T> {
                 }
                 let queued = self.stops.take_of(tid);
                 if queued.is_none() {
-                    let _ = ptrace::interrupt(tid);
+                    let _ = self.target.interrupt(tid);
                 }
                 let step = (Instant::now() + PATIENCE / 8).min(deadline);
                 let next = match queued {
                     Some(stop) => Ok(Some(stop)),
-                    None => ptrace::wait_tid_until(tid, step),
+                    None => self.target.wait_tid_until(tid, step),
                 };
                 match next {
                     Ok(None) => continue,
@@ -252,7 +253,9 @@ impl<T: Target> Release<'_, T> {
                         // memory from a clean stop, unmaps the pages then.
                         let mut worker = tid;
                         let born = match Stopped::of(stop) {
-                            Stopped::Birth(event) => ptrace::event_msg(tid)
+                            Stopped::Birth(event) => self
+                                .target
+                                .event_msg(tid)
                                 .ok()
                                 .map(|child| (event, child as Tid)),
                             _ => None,
@@ -260,7 +263,8 @@ impl<T: Target> Release<'_, T> {
                         let born = born.and_then(|(event, child)| {
                             let early = self.family.early.remove(&child);
                             let first = early.or_else(|| self.stops.take_of(child)).or_else(|| {
-                                ptrace::wait_tid_until(child, Instant::now() + PATIENCE)
+                                self.target
+                                    .wait_tid_until(child, Instant::now() + PATIENCE)
                                     .ok()
                                     .flatten()
                             });
@@ -277,10 +281,10 @@ impl<T: Target> Release<'_, T> {
                             // cannot run the calls; it goes on into the vfork,
                             // making nothing memptrace's, and stops once out.
                             if let Some(child) = born {
-                                let _ = ptrace::detach(child, 0);
+                                let _ = self.target.detach(child, 0);
                             }
-                            let _ = ptrace::set_options(tid, ptrace::RELEASE_OPTIONS);
-                            let _ = ptrace::cont(tid, sig);
+                            let _ = self.target.set_options(tid, ptrace::RELEASE_OPTIONS);
+                            let _ = self.target.cont(tid, sig);
                             continue;
                         }
                         if let (Some(space), false) = (deferred.get_mut(&pid), exiting) {
@@ -290,21 +294,22 @@ impl<T: Target> Release<'_, T> {
                                         if sig == 0 {
                                             sig = extra;
                                         } else {
-                                            let _ = ptrace::tgkill(pid, tid, extra);
+                                            let _ = self.target.tgkill(pid, tid, extra);
                                         }
                                     }
                                     deferred.remove(&pid);
                                 }
                                 Err(err) => {
-                                    self.stats.left_mapped(pid, Some(err.to_string()));
+                                    self.stats
+                                        .left_mapped(self.target, pid, Some(err.to_string()));
                                     deferred.remove(&pid);
                                 }
                             }
                         }
                         if let Some(child) = born {
-                            let _ = ptrace::detach(child, 0);
+                            let _ = self.target.detach(child, 0);
                         }
-                        if ptrace::unless_gone(ptrace::detach(tid, sig)).is_ok() {
+                        if ptrace::unless_gone(self.target.detach(tid, sig)).is_ok() {
                             stopped = true;
                         }
                     }
@@ -317,7 +322,7 @@ impl<T: Target> Release<'_, T> {
             }
         }
         for pid in deferred.into_keys() {
-            self.stats.left_mapped(pid, None);
+            self.stats.left_mapped(self.target, pid, None);
         }
     }
 }

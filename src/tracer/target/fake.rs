@@ -6,14 +6,15 @@
 //! and refuses writes, as /proc/PID/mem does.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io;
 use std::ops::Range;
 use std::rc::Rc;
+use std::time::Instant;
 
 use super::{CodeMemory, Target};
 use crate::memory::Memory;
-use crate::os::ptrace::{Regs, Tid, zeroed_regs};
+use crate::os::ptrace::{Regs, Stop, Tid, zeroed_regs};
 
 /// The memory of one fake address space: regions of bytes by start.
 #[derive(Clone, Debug, Default)]
@@ -98,6 +99,9 @@ pub enum Call {
     Interrupt(Tid),
     Detach(Tid, i32),
     WriteData(Tid, u64, Vec<u8>),
+    Seize(Tid),
+    SetOptions(Tid, i32),
+    Tgkill(Tid, i32),
 }
 
 /// A fake thread: its registers, whether it stands stopped, and the
@@ -117,6 +121,19 @@ pub struct FakeTarget {
     /// Each process's mappings, as `/proc/PID/maps` would give them.
     pub mappings: HashMap<Tid, Vec<Range<u64>>>,
     pub calls: Vec<Call>,
+    /// Each process's threads, as `/proc/PID/task` would list them: a
+    /// thread listed here and not in `threads` runs untraced.
+    pub tasks: HashMap<Tid, Vec<Tid>>,
+    /// Stops the kernel would report, in its order.
+    pub pending: VecDeque<(Tid, Stop)>,
+    /// Stops kept for the wait loop (`keep_for_later`).
+    pub kept: Vec<(Tid, Stop)>,
+    /// Threads another tracer holds (seizing them fails with EPERM).
+    pub foreign: HashMap<Tid, Tid>,
+    /// Dying threads (zombies: seizing them fails with EPERM).
+    pub ending: HashSet<Tid>,
+    /// The ptrace event each stopped thread is at, and its message.
+    pub events: HashMap<Tid, (i32, u64)>,
 }
 
 impl FakeTarget {
@@ -137,6 +154,32 @@ impl FakeTarget {
                 si_code: 0,
             },
         );
+    }
+
+    /// Process `pid` runs threads `tids` (the first is `pid` itself),
+    /// untraced.
+    pub fn process(&mut self, pid: Tid, tids: &[Tid]) {
+        self.tasks.insert(pid, tids.to_vec());
+    }
+
+    /// The kernel will report `stop` of thread `tid`.
+    pub fn report(&mut self, tid: Tid, stop: Stop) {
+        self.pending.push_back((tid, stop));
+    }
+
+    /// A stop reported: the thread stands stopped, or is gone.
+    fn taken(&mut self, tid: Tid, stop: Stop) -> (Tid, Stop) {
+        match stop {
+            Stop::Exited(_) | Stop::Killed { .. } => {
+                self.threads.remove(&tid);
+            }
+            _ => {
+                if let Some(t) = self.threads.get_mut(&tid) {
+                    t.stopped = true;
+                }
+            }
+        }
+        (tid, stop)
     }
 
     /// The memory of process `pid`, made empty the first time.
@@ -192,7 +235,12 @@ impl Target for FakeTarget {
             .threads
             .get_mut(&tid)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
-        thread.stopped = true;
+        // A running thread stops and reports it; a stopped one already has.
+        if !thread.stopped {
+            thread.stopped = true;
+            self.pending
+                .push_back((tid, Stop::EventStop(libc::SIGTRAP)));
+        }
         self.calls.push(Call::Interrupt(tid));
         Ok(())
     }
@@ -230,5 +278,107 @@ impl Target for FakeTarget {
     fn mapping_at(&mut self, pid: Tid, addr: u64) -> Option<Range<u64>> {
         let maps = self.mappings.get(&pid)?;
         maps.iter().find(|m| m.contains(&addr)).cloned()
+    }
+
+    fn seize(&mut self, tid: Tid, _options: i32) -> io::Result<()> {
+        let known = self.tasks.values().any(|tids| tids.contains(&tid));
+        if !known {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        if self.foreign.contains_key(&tid) || self.ending.contains(&tid) {
+            return Err(io::Error::from_raw_os_error(libc::EPERM));
+        }
+        self.threads.entry(tid).or_insert(FakeThread {
+            regs: zeroed_regs(),
+            stopped: false,
+            si_code: 0,
+        });
+        self.calls.push(Call::Seize(tid));
+        Ok(())
+    }
+
+    fn set_options(&mut self, tid: Tid, options: i32) -> io::Result<()> {
+        self.stopped(tid)?;
+        self.calls.push(Call::SetOptions(tid, options));
+        Ok(())
+    }
+
+    fn event_msg(&mut self, tid: Tid) -> io::Result<u64> {
+        self.stopped(tid)?;
+        Ok(self.events.get(&tid).map_or(0, |&(_, msg)| msg))
+    }
+
+    fn event_of(&mut self, tid: Tid) -> Option<i32> {
+        self.stopped(tid).ok()?;
+        Some(self.events.get(&tid).map_or(0, |&(event, _)| event))
+    }
+
+    fn tgkill(&mut self, pid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+        if !self.tasks.get(&pid).is_some_and(|tids| tids.contains(&tid)) {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        self.calls.push(Call::Tgkill(tid, sig));
+        Ok(())
+    }
+
+    fn wait_any(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        // Nothing left to report would block forever: ECHILD instead, as
+        // when no traced thread is left.
+        match self.pending.pop_front() {
+            Some((tid, stop)) => Ok(Some(self.taken(tid, stop))),
+            None => Err(io::Error::from_raw_os_error(libc::ECHILD)),
+        }
+    }
+
+    fn poll_any(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        Ok(self
+            .pending
+            .pop_front()
+            .map(|(tid, stop)| self.taken(tid, stop)))
+    }
+
+    fn wait_tid_until(&mut self, tid: Tid, _deadline: Instant) -> io::Result<Option<Stop>> {
+        let Some(at) = self.pending.iter().position(|&(t, _)| t == tid) else {
+            return Ok(None);
+        };
+        let (tid, stop) = self.pending.remove(at).expect("found");
+        Ok(Some(self.taken(tid, stop).1))
+    }
+
+    fn keep_for_later(&mut self, tid: Tid, stop: Stop) {
+        self.kept.push((tid, stop));
+    }
+
+    fn take_kept(&mut self) -> Vec<(Tid, Stop)> {
+        std::mem::take(&mut self.kept)
+    }
+
+    fn threads(&mut self, pid: Tid) -> io::Result<Vec<Tid>> {
+        let mut tids = self
+            .tasks
+            .get(&pid)
+            .cloned()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::ENOENT))?;
+        tids.sort_unstable();
+        Ok(tids)
+    }
+
+    fn tgid(&mut self, tid: Tid) -> Option<Tid> {
+        self.tasks
+            .iter()
+            .find(|(_, tids)| tids.contains(&tid))
+            .map(|(&pid, _)| pid)
+    }
+
+    fn thread_ending(&mut self, pid: Tid, tid: Tid) -> bool {
+        self.ending.contains(&tid) || self.tgid(tid) != Some(pid)
+    }
+
+    fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid> {
+        (self.tgid(tid) == Some(pid)).then(|| self.foreign.get(&tid).copied().unwrap_or(0))
+    }
+
+    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
+        self.thread_tracer(pid, pid)
     }
 }

@@ -15,19 +15,26 @@
 //! `Box<dyn CodeMemory>`: it is written when probes are planted or
 //! restored, never per call.
 //!
-//! Nothing here waits for stops: the wait loop asks `os::ptrace` directly,
-//! since one classifier (`tracer::stop`) reads every stop.
+//! Stops are waited for through the port too (`wait_any`, `poll_any`,
+//! `wait_tid_until`), as they come from the kernel: one classifier
+//! (`tracer::stop`) reads every stop, whatever target gave it. What /proc
+//! says of threads (a process's threads, a thread's process, whether it is
+//! dying or traced by someone else) is asked here as well, so that
+//! attaching, stopping and detaching run on the fake as on a process. Only
+//! the system calls memptrace runs inside a thread (`tracer::inject`) are
+//! not behind the port.
 
 #[cfg(test)]
 pub mod fake;
 
 use std::io;
 use std::ops::Range;
+use std::time::Instant;
 
 use crate::memory::Memory;
 use crate::os::mem::{self, CodeWriter};
 use crate::os::procfs;
-use crate::os::ptrace::{self, Regs, Tid};
+use crate::os::ptrace::{self, Regs, Stop, Tid};
 
 /// One address space's memory as probes change it: read anything (code
 /// included, whatever its protection), write code.
@@ -74,6 +81,49 @@ pub trait Target {
     /// The mapping of process `pid` that holds `addr` (a thread's stack);
     /// `None` if none does or the maps cannot be read.
     fn mapping_at(&mut self, pid: Tid, addr: u64) -> Option<Range<u64>>;
+
+    // Holding threads.
+
+    /// Trace a running thread with `options` (PTRACE_SEIZE), not stopping it.
+    fn seize(&mut self, tid: Tid, options: i32) -> io::Result<()>;
+    /// Change a stopped thread's ptrace options (PTRACE_SETOPTIONS).
+    fn set_options(&mut self, tid: Tid, options: i32) -> io::Result<()>;
+    /// The message of the ptrace event a thread is stopped at (a new
+    /// thread's or child's id: PTRACE_GETEVENTMSG).
+    fn event_msg(&mut self, tid: Tid) -> io::Result<u64>;
+    /// The ptrace event a thread is stopped at (`PTRACE_EVENT_*`), 0 at a
+    /// signal-delivery-stop, `None` when it cannot be read (a group-stop).
+    fn event_of(&mut self, tid: Tid) -> Option<i32>;
+    /// Send signal `sig` to thread `tid` of process `pid` (tgkill).
+    fn tgkill(&mut self, pid: Tid, tid: Tid, sig: i32) -> io::Result<()>;
+
+    // Stops.
+
+    /// The next stop of any traced thread, sleeping until there is one;
+    /// `Ok(None)` when one of memptrace's signals ended the sleep, ECHILD
+    /// when no traced thread is left.
+    fn wait_any(&mut self) -> io::Result<Option<(Tid, Stop)>>;
+    /// A stop of any traced thread if one is ready, without waiting.
+    fn poll_any(&mut self) -> io::Result<Option<(Tid, Stop)>>;
+    /// Thread `tid`'s next stop, not waiting past `deadline` (`Ok(None)`).
+    fn wait_tid_until(&mut self, tid: Tid, deadline: Instant) -> io::Result<Option<Stop>>;
+    /// Keep a stop taken by a wait for one thread, for the wait loop.
+    fn keep_for_later(&mut self, tid: Tid, stop: Stop);
+    /// The stops kept, oldest first.
+    fn take_kept(&mut self) -> Vec<(Tid, Stop)>;
+
+    // What /proc says of threads.
+
+    /// The threads of process `pid`, sorted.
+    fn threads(&mut self, pid: Tid) -> io::Result<Vec<Tid>>;
+    /// The process thread `tid` belongs to (`Tgid`).
+    fn tgid(&mut self, tid: Tid) -> Option<Tid>;
+    /// Thread `tid` of `pid` is gone or dying (a zombie).
+    fn thread_ending(&mut self, pid: Tid, tid: Tid) -> bool;
+    /// The tracer of thread `tid` of `pid` (0 for none).
+    fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid>;
+    /// The tracer of process `pid` (0 for none).
+    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid>;
 }
 
 /// The real target: every call is the `os` call it names.
@@ -133,5 +183,65 @@ impl Target for Live {
         let maps = procfs::read_maps(pid).ok()?;
         let m = maps.into_iter().find(|m| m.start <= addr && addr < m.end)?;
         Some(m.start..m.end)
+    }
+
+    fn seize(&mut self, tid: Tid, options: i32) -> io::Result<()> {
+        ptrace::seize(tid, options)
+    }
+
+    fn set_options(&mut self, tid: Tid, options: i32) -> io::Result<()> {
+        ptrace::set_options(tid, options)
+    }
+
+    fn event_msg(&mut self, tid: Tid) -> io::Result<u64> {
+        ptrace::event_msg(tid)
+    }
+
+    fn event_of(&mut self, tid: Tid) -> Option<i32> {
+        ptrace::event_of(tid)
+    }
+
+    fn tgkill(&mut self, pid: Tid, tid: Tid, sig: i32) -> io::Result<()> {
+        ptrace::tgkill(pid, tid, sig)
+    }
+
+    fn wait_any(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        ptrace::wait_any()
+    }
+
+    fn poll_any(&mut self) -> io::Result<Option<(Tid, Stop)>> {
+        ptrace::poll_any()
+    }
+
+    fn wait_tid_until(&mut self, tid: Tid, deadline: Instant) -> io::Result<Option<Stop>> {
+        ptrace::wait_tid_until(tid, deadline)
+    }
+
+    fn keep_for_later(&mut self, tid: Tid, stop: Stop) {
+        ptrace::keep_for_later(tid, stop)
+    }
+
+    fn take_kept(&mut self) -> Vec<(Tid, Stop)> {
+        ptrace::take_kept()
+    }
+
+    fn threads(&mut self, pid: Tid) -> io::Result<Vec<Tid>> {
+        procfs::threads(pid)
+    }
+
+    fn tgid(&mut self, tid: Tid) -> Option<Tid> {
+        procfs::tgid(tid)
+    }
+
+    fn thread_ending(&mut self, pid: Tid, tid: Tid) -> bool {
+        procfs::thread_ending(pid, tid)
+    }
+
+    fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid> {
+        procfs::thread_tracer(pid, tid)
+    }
+
+    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
+        procfs::tracer_pid(pid)
     }
 }
