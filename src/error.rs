@@ -150,6 +150,12 @@ mod tests {
                 ))),
                 "cannot read /proc/2147483647/maps: No such file or directory (os error 2)",
             ),
+            (
+                Error::Trace(TraceError::from(
+                    crate::os::mem::write_data(i32::MAX, 0x1000, &[0; 8]).unwrap_err(),
+                )),
+                "cannot write 8 bytes at 0x1000 in process 2147483647: No such process (os error 3)",
+            ),
             (Error::Io(enotdir()), "Not a directory (os error 20)"),
         ];
         for (err, text) in cases {

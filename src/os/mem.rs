@@ -128,8 +128,50 @@ impl Memory for ProcessMemory {
     }
 }
 
+/// A write into a traced process's memory that failed: where, and why.
+/// It travels inside an `io::Error` of the same kind (see
+/// [`WriteError::from_io`]), so that a caller far up can say what failed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write {len} bytes at {addr:#x} in process {pid}")]
+pub struct WriteError {
+    pub pid: Tid,
+    pub addr: u64,
+    pub len: usize,
+    #[source]
+    pub error: io::Error,
+}
+
+impl From<WriteError> for io::Error {
+    fn from(err: WriteError) -> io::Error {
+        io::Error::new(err.error.kind(), err)
+    }
+}
+
+impl WriteError {
+    fn of(pid: Tid, addr: u64, len: usize) -> impl FnOnce(io::Error) -> io::Error {
+        move |error| {
+            WriteError {
+                pid,
+                addr,
+                len,
+                error,
+            }
+            .into()
+        }
+    }
+
+    /// The write error `err` carries, if it is one; otherwise `err`.
+    pub fn from_io(err: io::Error) -> Result<WriteError, io::Error> {
+        super::carried(err)
+    }
+}
+
 /// Write to writable memory (a stack slot) in one system call.
 pub fn write_data(pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
+    write_data_once(pid, addr, bytes).map_err(WriteError::of(pid, addr, bytes.len()))
+}
+
+fn write_data_once(pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
     let local = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
@@ -155,6 +197,7 @@ pub fn write_data(pid: Tid, addr: u64, bytes: &[u8]) -> io::Result<()> {
 /// /proc/PID/mem of a process, open for writing code (breakpoints, trampolines).
 pub struct CodeWriter {
     file: File,
+    pid: Tid,
 }
 
 impl CodeWriter {
@@ -163,11 +206,13 @@ impl CodeWriter {
             .read(true)
             .write(true)
             .open(format!("/proc/{pid}/mem"))?;
-        Ok(CodeWriter { file })
+        Ok(CodeWriter { file, pid })
     }
 
     pub fn write(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
-        self.file.write_all_at(bytes, addr)
+        self.file
+            .write_all_at(bytes, addr)
+            .map_err(WriteError::of(self.pid, addr, bytes.len()))
     }
 }
 

@@ -21,3 +21,22 @@ pub mod seccomp;
 pub mod sentinel;
 pub mod shared;
 pub mod signals;
+
+/// The error of type `E` that `err` carries (an `io::Error` made from it,
+/// of the same kind), if it is one; otherwise `err` as it was. How a /proc
+/// read's or a memory write's error, passed up as an `io::Error`, is told
+/// apart from a ptrace request's.
+pub fn carried<E>(err: std::io::Error) -> Result<E, std::io::Error>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    if !err.get_ref().is_some_and(|inner| inner.is::<E>()) {
+        return Err(err);
+    }
+    let kind = err.kind();
+    match err.into_inner().map(|inner| inner.downcast::<E>()) {
+        Some(Ok(carried)) => Ok(*carried),
+        Some(Err(other)) => Err(std::io::Error::new(kind, other)),
+        None => Err(std::io::Error::from(kind)),
+    }
+}

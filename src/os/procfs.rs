@@ -75,15 +75,7 @@ impl ReadError {
     /// The read error `err` carries, if it is one (see `From<ReadError>`);
     /// otherwise `err` as it was.
     pub fn from_io(err: io::Error) -> Result<ReadError, io::Error> {
-        if !err.get_ref().is_some_and(|inner| inner.is::<ReadError>()) {
-            return Err(err);
-        }
-        let kind = err.kind();
-        match err.into_inner().map(|inner| inner.downcast::<ReadError>()) {
-            Some(Ok(read)) => Ok(*read),
-            Some(Err(other)) => Err(io::Error::new(kind, other)),
-            None => Err(io::Error::from(kind)),
-        }
+        super::carried(err)
     }
 }
 

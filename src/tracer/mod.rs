@@ -191,9 +191,13 @@ pub enum TraceError {
     #[error("a ptrace request failed")]
     Ptrace(#[source] io::Error),
     /// A /proc file, read on the way (`io::Error`s that carry a
-    /// `ReadError` become this one, the rest `Ptrace`).
+    /// `ReadError` become this one; the rest, `Write` aside, `Ptrace`).
     #[error(transparent)]
     Read(#[from] procfs::ReadError),
+    /// Writing into the traced process's memory (a probe, a stack slot):
+    /// `io::Error`s that carry a `WriteError` become this one.
+    #[error(transparent)]
+    Write(#[from] crate::os::mem::WriteError),
     #[error(transparent)]
     Sink(#[from] SinkError),
     #[error("no process {0}")]
@@ -215,8 +219,12 @@ pub enum TraceError {
 
 impl From<io::Error> for TraceError {
     fn from(err: io::Error) -> TraceError {
-        match procfs::ReadError::from_io(err) {
-            Ok(read) => TraceError::Read(read),
+        let err = match procfs::ReadError::from_io(err) {
+            Ok(read) => return TraceError::Read(read),
+            Err(err) => err,
+        };
+        match crate::os::mem::WriteError::from_io(err) {
+            Ok(write) => TraceError::Write(write),
             Err(err) => TraceError::Ptrace(err),
         }
     }
