@@ -229,6 +229,8 @@ impl HeapMaps {
     ) {
         if done {
             let _ = book.ledger.forget_process(pid as u32);
+            // Its tables' pages, for the map's chunks.
+            crate::os::own_heap::give_back_freed();
         }
         let ts_ns = book.now_ns();
         let map = read_heap(pid, &self.facts);
