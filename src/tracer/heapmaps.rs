@@ -242,13 +242,19 @@ impl HeapMaps {
     /// that looks damaged though no thread held it may have been read
     /// half-changed (a thread between its lock and the read, or in a
     /// `free` whose trim shrank the heap before `system_mem`), so it is read
-    /// again, twice at most, before the damage is believed.
+    /// again, twice at most, before the damage is believed. The processes
+    /// are let go and book no call again: their live blocks leave the
+    /// ledger first, so that it and the maps are not both held.
     pub fn map_heaps_after_detach(
         &self,
         book: &mut Booking,
         stats: &mut TraceStats,
         pids: Vec<Tid>,
     ) {
+        for &pid in &pids {
+            let _ = book.ledger.forget_process(pid as u32);
+        }
+        crate::os::own_heap::give_back_freed();
         for pid in pids {
             let mut ts_ns = book.now_ns();
             let mut map = read_heap(pid, &self.facts);
