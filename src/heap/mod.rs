@@ -115,7 +115,10 @@ impl ChunkState {
 }
 
 /// One chunk: its header's address and its size (flags masked off).
+/// Packed: 17 bytes, not 24, for each of the millions of chunks a map of a
+/// large heap holds while it is walked (its fields are read by copy).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[repr(C, packed)]
 pub struct Chunk {
     pub addr: u64,
     pub size: u64,

@@ -10,8 +10,8 @@
 use std::collections::HashSet;
 
 use super::chain::{Links, tcache_count, tcache_entry};
-use super::walk::{ChunkIndex, MINSIZE, reveal};
-use super::{Arena, ChunkState, Glibc, TCACHE_BINS};
+use super::walk::{ChunkRuns, MINSIZE, reveal};
+use super::{Arena, Chunk, ChunkState, Glibc, TCACHE_BINS};
 
 /// Find each thread's `tcache_perthread_struct` (`uint16_t counts[64]`,
 /// then `tcache_entry *entries[64]`; `char` counts before 2.30) among the
@@ -21,24 +21,8 @@ use super::{Arena, ChunkState, Glibc, TCACHE_BINS};
 /// of its bin's size; one with every list empty only when it is the first
 /// chunk of its arena, where tcache_init puts it.
 pub(super) fn tcaches(g: &Glibc, arenas: &mut [Arena], links: &[Links]) {
-    // (arena, chunk) in 8 bytes, not 16: the index holds every chunk. (At
-    // most 4096 arenas are walked; 2^32 chunks would be 128 GiB read.)
-    let fits = |n: usize| u32::try_from(n).is_ok();
-    if !fits(arenas.len()) || !arenas.iter().all(|a| fits(a.chunks.len())) {
-        return;
-    }
-    let index = ChunkIndex::new(
-        arenas
-            .iter()
-            .enumerate()
-            .flat_map(|(ai, a)| {
-                a.chunks
-                    .iter()
-                    .enumerate()
-                    .map(move |(ci, c)| (c.addr, (ai as u32, ci as u32)))
-            })
-            .collect(),
-    );
+    let chunks: Vec<&[Chunk]> = arenas.iter().map(|a| a.chunks.as_slice()).collect();
+    let runs = ChunkRuns::new(chunks.iter().copied());
     let safe_tries: &[bool] = match g.layout.safe_linking {
         Some(true) => &[true],
         Some(false) => &[false],
@@ -60,7 +44,7 @@ pub(super) fn tcaches(g: &Glibc, arenas: &mut [Arena], links: &[Links]) {
                 }
                 for &safe in safe_tries {
                     if let Some(entries) =
-                        tcache_lists(bytes, count_bytes, safe, &index, arenas, links)
+                        tcache_lists(bytes, count_bytes, safe, &runs, &chunks, links)
                     {
                         if !entries.is_empty() || ci == 0 {
                             found.push(((ai, ci), entries));
@@ -85,8 +69,8 @@ fn tcache_lists(
     bytes: &[u8],
     count_bytes: u64,
     safe: bool,
-    index: &ChunkIndex<(u32, u32)>,
-    arenas: &[Arena],
+    runs: &ChunkRuns,
+    chunks: &[&[Chunk]],
     links: &[Links],
 ) -> Option<Vec<(usize, usize)>> {
     let count_bytes = usize::try_from(count_bytes).ok()?;
@@ -100,9 +84,8 @@ fn tcache_lists(
             if e == 0 || e % 16 != 0 {
                 return None;
             }
-            let (ai, ci) = index.get(e - 16)?;
-            let (ai, ci) = (ai as usize, ci as usize);
-            let c = arenas[ai].chunks[ci];
+            let (ai, ci) = runs.get(chunks, e - 16)?;
+            let c = chunks[ai][ci];
             if c.state != ChunkState::InUse
                 || c.size.checked_sub(MINSIZE).map(|s| s / 16) != Some(bin as u64)
                 || !taken.insert((ai, ci))

@@ -5,6 +5,7 @@ use super::*;
 use crate::memory::Snapshot;
 
 mod hostile;
+mod runs;
 mod window;
 
 const ARENA: u64 = 0x7f00_0000_0000;

@@ -13,6 +13,7 @@ pub mod launch;
 pub mod libunwind;
 pub mod local;
 pub mod mem;
+pub mod own_heap;
 pub mod procfs;
 pub mod ptrace;
 pub mod resident;

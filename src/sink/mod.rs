@@ -231,6 +231,10 @@ pub enum SinkError {
 /// trace.db` sees a running trace grow.
 const COMMIT_INTERVAL: Duration = Duration::from_millis(500);
 
+/// How often the recorder gives memptrace's freed memory back to the kernel
+/// ([`crate::os::own_heap`]).
+const GIVE_BACK_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Records after which the recorder commits even before [`COMMIT_INTERVAL`]:
 /// a transaction that fails on a full disk is rolled back whole, so this
 /// bounds what such a disk loses (about 1 MiB of rows) whatever the rate.
@@ -361,6 +365,7 @@ fn record_loop(
     let mut dirty = false;
     let mut last_commit = Instant::now();
     let mut uncommitted: u64 = 0;
+    let mut last_give_back = Instant::now();
     loop {
         let wait = COMMIT_INTERVAL.saturating_sub(last_commit.elapsed());
         match rx.recv_timeout(wait) {
@@ -397,6 +402,10 @@ fn record_loop(
             last_commit = Instant::now();
         } else if !dirty {
             last_commit = Instant::now();
+        }
+        if last_give_back.elapsed() >= GIVE_BACK_INTERVAL {
+            crate::os::own_heap::give_back_freed();
+            last_give_back = Instant::now();
         }
     }
     if let Err(err) = sink.commit() {

@@ -211,8 +211,9 @@ impl Tracer {
                 self.book
                     .release_slots(&mut self.family, &mut self.stats, tid);
                 if self.family.is_traced(tid) {
+                    let done = self.family.done_calling(tid);
                     self.heaps
-                        .map_heap_at_exit(&mut self.book, &mut self.stats, tid);
+                        .map_heap_at_exit(&mut self.book, &mut self.stats, tid, done);
                 }
                 let end = self.now_ns();
                 self.send_thread(tid, Some(end));

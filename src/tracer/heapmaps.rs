@@ -25,7 +25,7 @@ use std::time::Instant;
 use super::booking::Booking;
 use super::ledger::{CallFacts, Ledger};
 use super::pauses::Pause;
-use super::process::Family;
+use super::process::{Family, Role};
 use super::{TraceMsg, TraceStats};
 use crate::event::Op;
 use crate::heap::{self, HeapCopy, HeapMap};
@@ -216,7 +216,22 @@ impl HeapMaps {
     /// The main thread of traced process `pid` is exiting: its heap as it
     /// was left. Other threads may still be on their way out (and may have
     /// died inside the allocator), so arenas are read as in a live process.
-    pub fn map_heap_at_exit(&self, book: &mut Booking, stats: &mut TraceStats, pid: Tid) {
+    /// `done`: no call of it can be booked any more ([`Family::done_calling`]):
+    /// its live blocks leave the ledger first, as they would once it is gone,
+    /// so that the ledger and the map are not both held (71 MB and 134 MB of
+    /// a 2.5 M-block heap).
+    pub fn map_heap_at_exit(
+        &self,
+        book: &mut Booking,
+        stats: &mut TraceStats,
+        pid: Tid,
+        done: bool,
+    ) {
+        if done {
+            let _ = book.ledger.forget_process(pid as u32);
+            // Its tables' pages, for the map's chunks.
+            crate::os::own_heap::give_back_freed();
+        }
         let ts_ns = book.now_ns();
         let map = read_heap(pid, &self.facts);
         send_heap(book, stats, pid, ts_ns, "exit", map);
@@ -227,13 +242,19 @@ impl HeapMaps {
     /// that looks damaged though no thread held it may have been read
     /// half-changed (a thread between its lock and the read, or in a
     /// `free` whose trim shrank the heap before `system_mem`), so it is read
-    /// again, twice at most, before the damage is believed.
+    /// again, twice at most, before the damage is believed. The processes
+    /// are let go and book no call again: their live blocks leave the
+    /// ledger first, so that it and the maps are not both held.
     pub fn map_heaps_after_detach(
         &self,
         book: &mut Booking,
         stats: &mut TraceStats,
         pids: Vec<Tid>,
     ) {
+        for &pid in &pids {
+            let _ = book.ledger.forget_process(pid as u32);
+        }
+        crate::os::own_heap::give_back_freed();
         for pid in pids {
             let mut ts_ns = book.now_ns();
             let mut map = read_heap(pid, &self.facts);
@@ -250,6 +271,20 @@ impl HeapMaps {
 }
 
 impl Family {
+    /// Process `pid`, its leader stopped at its exit with its rings drained,
+    /// will book no call again: no other thread of it is left, no process
+    /// runs in its memory (a vfork child), and no record of its probes is
+    /// held back for one of another thread.
+    pub fn done_calling(&self, pid: Tid) -> bool {
+        let threads = self.threads.values().filter(|t| t.pid == pid).count();
+        let sharers = self
+            .processes
+            .values()
+            .any(|p| p.role == Role::Shares { parent: pid });
+        let held = self.processes.get(&pid).map_or(0, |p| p.merge.held());
+        threads <= 1 && !sharers && held == 0
+    }
+
     /// The traced processes, whose heaps are mapped once they are let go.
     pub fn heaps_to_map(&self) -> Vec<Tid> {
         let mut pids: Vec<Tid> = self.traced().map(|(pid, _)| pid).collect();

@@ -158,7 +158,6 @@ impl Merge {
     }
 
     /// Records read and waiting for a number not seen yet.
-    #[cfg(test)]
     pub fn held(&self) -> usize {
         self.held.records.len()
     }
