@@ -225,10 +225,15 @@ impl SqliteSink {
             return Ok(());
         }
         {
+            // A statement comes from the cache with every parameter NULL
+            // (rusqlite clears them when it takes it back) and runs once
+            // here: only the other values are bound, a third of them.
             let mut stmt = self.conn()?.prepare_cached(&self.chunk_sql)?;
             let values = self.pending.iter().flat_map(EventRow::values);
             for (index, value) in values.enumerate() {
-                stmt.raw_bind_parameter(index + 1, value)?;
+                if value != Num::Null {
+                    stmt.raw_bind_parameter(index + 1, value)?;
+                }
             }
             stmt.raw_execute()?;
         }

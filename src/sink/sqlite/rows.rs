@@ -178,13 +178,16 @@ impl Coder {
                     self.last_ptr
                 };
                 conn.prepare_cached(
-                    "INSERT INTO event_sites(code, thread, stack_id, base) VALUES (?, ?, ?, ?)",
+                    "INSERT INTO event_sites(code, thread, stack_id, base, pid, tid) \
+                     VALUES (?, ?, ?, ?, ?, ?)",
                 )?
                 .execute(params![
                     code,
                     thread,
                     event.stack_id.map(int),
-                    int(base)
+                    int(base),
+                    event.pid,
+                    event.tid
                 ])?;
                 self.sites.insert(key, (code, base));
                 (code, base)

@@ -132,11 +132,15 @@ CREATE TABLE event_epochs(
     ts_ns INTEGER NOT NULL
 );
 -- Each (thread, stack) that called the allocator: an event's k names it.
+-- pid and tid repeat event_threads', so that a view finds them in one
+-- lookup per event.
 CREATE TABLE event_sites(
     code INTEGER PRIMARY KEY,
     thread INTEGER NOT NULL,
     stack_id INTEGER,
-    base INTEGER NOT NULL
+    base INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    tid INTEGER NOT NULL
 );
 -- One row per call of a mapping function (docs/schema.md, map_events).
 CREATE TABLE map_events(
@@ -229,10 +233,7 @@ fn site(x: &str, column: &str) -> String {
 
 /// `column` (pid or tid) of the thread of `event_log` row `x`.
 fn thread(x: &str, column: &str) -> String {
-    format!(
-        "(SELECT t.{column} FROM event_sites s JOIN event_threads t ON t.code = s.thread \
-         WHERE s.code = {x}.k >> {SITE_SHIFT})"
-    )
+    site(x, column)
 }
 
 /// `ts_ns` of `event_log` row `x`: its time in its epoch plus the epoch's.
