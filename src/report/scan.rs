@@ -77,35 +77,51 @@ pub fn for_each_event(
     bar: &ProgressBar,
     mut f: impl FnMut(&EventRow),
 ) -> Result<(), ReportError> {
-    let sql = "SELECT id, ts_ns, kind, stack_id, coalesce(ptr <> 0, 0), size, id - alloc_dist
-               FROM event_log WHERE id <= ?1 AND ts_ns <= ?2 ORDER BY id";
+    let decode = crate::sink::EventDecoder::load(&trace.conn).map_err(|e| trace.err(e))?;
+    let until = until.unwrap_or(i64::MAX);
+    let sql = "SELECT id, t, k, p, n, d FROM event_log WHERE id <= ?1 ORDER BY id";
     let mut stmt = trace.conn.prepare(sql).map_err(|e| trace.err(e))?;
     let mut rows = stmt
-        .query([upto.unwrap_or(i64::MAX), until.unwrap_or(i64::MAX)])
+        .query([upto.unwrap_or(i64::MAX)])
         .map_err(|e| trace.err(e))?;
     let mut seen = 0u64;
     while let Some(row) = rows.next().map_err(|e| trace.err(e))? {
-        let kind: i64 = row.get(2).map_err(|e| trace.err(e))?;
+        let id: i64 = row.get(0).map_err(|e| trace.err(e))?;
+        let k: i64 = row.get(2).map_err(|e| trace.err(e))?;
         // An op code this memptrace does not know cannot be analysed; the
         // schema version check makes it impossible short of a damaged file.
-        let Some(op) = Op::from_code((kind & 15) as u8) else {
+        let Some(op) = Op::from_code((k & 15) as u8) else {
             continue;
         };
-        let size = match row.get_ref(5).map_err(|e| trace.err(e))? {
+        let Some(ts_ns) = decode.ts_ns(id, row.get(1).map_err(|e| trace.err(e))?) else {
+            continue;
+        };
+        if ts_ns > until {
+            continue;
+        }
+        let size = match row.get_ref(4).map_err(|e| trace.err(e))? {
             ValueRef::Integer(n) => Some(n.max(0) as u64),
             // Sizes above 2^63 - 1 are stored as REAL (docs/schema.md).
             ValueRef::Real(x) => Some(x as u64),
             _ => None,
         };
+        let (thread, stack) = decode.site(k);
+        // A stored pointer is 0 only when stored raw (docs/schema.md).
+        let nonzero = match row.get_ref(3).map_err(|e| trace.err(e))? {
+            ValueRef::Integer(0) => k & crate::sink::RAW_PTR == 0,
+            ValueRef::Null => false,
+            _ => true,
+        };
+        let dist: Option<i64> = row.get(5).map_err(|e| trace.err(e))?;
         let event = EventRow {
-            id: row.get(0).map_err(|e| trace.err(e))?,
-            ts_ns: row.get(1).map_err(|e| trace.err(e))?,
+            id,
+            ts_ns,
             op,
-            thread: (kind >> 4) as u32,
-            stack: row.get(3).map_err(|e| trace.err(e))?,
-            allocated: op.allocates() && row.get::<_, i64>(4).map_err(|e| trace.err(e))? != 0,
+            thread,
+            stack,
+            allocated: op.allocates() && nonzero,
             size,
-            released: row.get(6).map_err(|e| trace.err(e))?,
+            released: dist.map(|d| id.wrapping_sub(d)),
         };
         f(&event);
         seen += 1;
@@ -312,7 +328,7 @@ impl Analysis {
         let last_ns: i64 = trace
             .conn
             .query_row(
-                "SELECT coalesce((SELECT ts_ns FROM event_log ORDER BY id DESC LIMIT 1), 0)",
+                "SELECT coalesce((SELECT ts_ns FROM events ORDER BY id DESC LIMIT 1), 0)",
                 [],
                 |r| r.get(0),
             )

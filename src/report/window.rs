@@ -121,7 +121,7 @@ pub fn trace_end(trace: &Trace) -> Result<(i64, bool), ReportError> {
     let last: i64 = trace
         .conn
         .query_row(
-            "SELECT coalesce(max(ts_ns), 0) FROM event_log
+            "SELECT coalesce(max(ts_ns), 0) FROM events
              WHERE id = (SELECT max(id) FROM event_log)",
             [],
             |r| r.get(0),

@@ -7,7 +7,7 @@ mod memory;
 mod sqlite;
 
 pub use memory::MemorySink;
-pub use sqlite::{APPLICATION_ID, SCHEMA_VERSION, SqliteSink};
+pub use sqlite::{APPLICATION_ID, EventDecoder, RAW_PTR, SCHEMA_VERSION, SqliteSink};
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, OnceLock};

@@ -11,6 +11,7 @@
 //! a trace that never finished must be queryable as it is.
 
 mod aggregates;
+mod decode;
 mod heap;
 mod nodes;
 mod rows;
@@ -26,12 +27,14 @@ use rusqlite::{Connection, params};
 use super::aggregate::Aggregator;
 use super::{EventSink, FrameSymbols, Record, SinkError};
 use crate::event::Event;
+pub use decode::EventDecoder;
 use nodes::NodeRows;
-use rows::{EventRow, Num, int, write_map};
+pub use rows::RAW_PTR;
+use rows::{Coder, EventRow, Num, int, write_map};
 pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 
 /// Events inserted by one multi-row statement: SQLite's per-statement cost
-/// (step, reset, the statement cache) is paid once per chunk. 256 rows of 8
+/// (step, reset, the statement cache) is paid once per chunk. 256 rows of 7
 /// parameters stay far below SQLite's limit of 32766 parameters.
 const CHUNK: usize = 256;
 
@@ -41,7 +44,7 @@ const CHUNK: usize = 256;
 const PAGE_SIZE: i64 = 16 * 1024;
 
 /// Columns of `event_log`, in table order.
-const EVENT_COLUMNS: usize = 8;
+const EVENT_COLUMNS: usize = 7;
 
 /// Page cache of the writing connection, in KiB (SQLite's negative
 /// `cache_size`). Events are appended (no index on `event_log`): a page
@@ -72,6 +75,8 @@ pub struct SqliteSink {
     failed: bool,
     /// Events waiting for a full [`CHUNK`]; written before every commit.
     pending: Vec<EventRow>,
+    /// The epochs and sites the rows are encoded against.
+    coder: Coder,
     /// Stack nodes waiting likewise.
     nodes: NodeRows,
     /// (pid, tid) -> code in `event_threads`.
@@ -143,6 +148,7 @@ impl SqliteSink {
             in_transaction: false,
             failed: false,
             pending: Vec::with_capacity(CHUNK),
+            coder: Coder::default(),
             nodes: NodeRows::default(),
             thread_codes: HashMap::new(),
             chunk_sql,
@@ -205,7 +211,8 @@ impl SqliteSink {
         if self.aggregate_only {
             return Ok(());
         }
-        let mut row = EventRow::encode(event, thread);
+        let conn = self.conn.as_ref().ok_or_else(closed)?;
+        let mut row = self.coder.encode(conn, event, thread)?;
         // SQLite gives a row without an id the largest id plus one, without
         // the search that checks an explicit id is new: ids come in
         // increasing order, and nearly always one apart.
@@ -218,10 +225,15 @@ impl SqliteSink {
             return Ok(());
         }
         {
+            // A statement comes from the cache with every parameter NULL
+            // (rusqlite clears them when it takes it back) and runs once
+            // here: only the other values are bound, a third of them.
             let mut stmt = self.conn()?.prepare_cached(&self.chunk_sql)?;
             let values = self.pending.iter().flat_map(EventRow::values);
             for (index, value) in values.enumerate() {
-                stmt.raw_bind_parameter(index + 1, value)?;
+                if value != Num::Null {
+                    stmt.raw_bind_parameter(index + 1, value)?;
+                }
             }
             stmt.raw_execute()?;
         }
@@ -247,7 +259,7 @@ impl SqliteSink {
         {
             let mut stmt = self
                 .conn()?
-                .prepare_cached("INSERT INTO event_log VALUES (?,?,?,?,?,?,?,?)")?;
+                .prepare_cached("INSERT INTO event_log VALUES (?,?,?,?,?,?,?)")?;
             for row in &self.pending {
                 for (index, value) in row.values().into_iter().enumerate() {
                     stmt.raw_bind_parameter(index + 1, value)?;
@@ -530,6 +542,11 @@ impl EventSink for SqliteSink {
         self.failed = false;
         self.pending.clear();
         self.nodes.clear();
+        if let Some(conn) = &self.conn
+            && self.coder.reload(conn).is_err()
+        {
+            self.failed = true;
+        }
         // Its allocations may have been rolled back: `finish` asks SQLite.
         self.stopped_growing = true;
         Some(reason)

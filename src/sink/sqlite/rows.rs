@@ -2,40 +2,106 @@
 //! docs/schema.md, "How events are stored"), the mappings' columns, and the
 //! integers SQLite stores.
 
-use rusqlite::params;
 use rusqlite::types::{ToSql, ToSqlOutput, Value};
+use rusqlite::{Connection, OptionalExtension, params};
+use rustc_hash::FxHashMap;
 
 use super::{EVENT_COLUMNS, SinkError};
 use crate::event::{Event, Op};
+
+/// An event's time is stored as the time since the first event of its
+/// epoch, the ids sharing `id >> EPOCH_BITS` (`event_epochs`): 3 bytes at a
+/// thousand events per 8 ms or more, where the time since the start takes 4
+/// to 6.
+pub const EPOCH_BITS: u32 = 10;
+
+/// `k`: the op code in bits 0-3, [`RAW_PTR`], the site code from bit 5.
+pub const SITE_SHIFT: u32 = 5;
+
+/// Set in `k` when `p` holds the pointer itself rather than its distance
+/// from the site's base in units of 16 bytes (0, a pointer not 16-aligned
+/// or above `i64::MAX`).
+pub const RAW_PTR: i64 = 16;
 
 /// One `event_log` row. See docs/schema.md for the encoding.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct EventRow {
     pub(super) id: Num,
-    ts_ns: Num,
-    /// Op code in the low 4 bits, thread code above.
-    kind: i64,
-    stack_id: Num,
-    /// NULL for a free of a known block: the allocating event has it.
-    ptr: Num,
-    size: Num,
+    /// `ts_ns` minus its epoch's base time.
+    t: Num,
+    /// Op code, [`RAW_PTR`] and site code (thread and stack).
+    k: i64,
     /// `id - alloc_id`: small for the short-lived blocks that dominate.
-    alloc_dist: Num,
+    /// Before `p` and `n`, so that a free's row ends with it.
+    d: Num,
+    /// The pointer, encoded against the site's base: NULL for a free of a
+    /// known block (the allocating event has it).
+    p: Num,
+    /// Bytes requested.
+    n: Num,
     /// realloc/reallocarray: `old_ptr` (NULL when `alloc_id` names the
     /// block); every other op: `align`.
-    arg: Num,
+    o: Num,
 }
 
 impl EventRow {
-    pub(super) fn encode(event: &Event, thread: i64) -> EventRow {
+    pub(super) fn values(&self) -> [Num; EVENT_COLUMNS] {
+        [
+            self.id,
+            self.t,
+            Num::Int(self.k),
+            self.d,
+            self.p,
+            self.n,
+            self.o,
+        ]
+    }
+}
+
+/// A site's key, (thread code, stack), and its (code, base pointer).
+type Site = ((i64, Option<u64>), (i64, u64));
+
+/// What rows are encoded against: the base time of each epoch and the code
+/// and base pointer of each site, a (thread, stack) pair. Each is written
+/// to `event_epochs` and `event_sites` when first used, in the transaction
+/// of the rows that use it.
+#[derive(Default)]
+pub(super) struct Coder {
+    /// (thread code, stack) -> (site code, base pointer).
+    sites: FxHashMap<(i64, Option<u64>), (i64, u64)>,
+    /// The site of the last event: most events repeat one of a few.
+    last_site: Option<Site>,
+    /// The current epoch and its base time.
+    epoch: Option<(u64, u64)>,
+    /// The last 16-aligned pointer an event carried: the base of a site
+    /// whose first event carries none.
+    last_ptr: u64,
+}
+
+impl Coder {
+    /// The row of `event`, made by thread `thread` (`event_threads.code`).
+    pub(super) fn encode(
+        &mut self,
+        conn: &Connection,
+        event: &Event,
+        thread: i64,
+    ) -> Result<EventRow, SinkError> {
+        let base_ns = self.epoch_base(conn, event)?;
+        let (site, base) = self.site(conn, event, thread)?;
         let released_known = event.alloc_id.is_some();
         let reallocates = matches!(event.op, Op::Realloc | Op::Reallocarray);
-        let ptr = if event.op == Op::Free && released_known {
-            Num::Null
+        let (p, raw) = if event.op == Op::Free && released_known {
+            (Num::Null, false)
         } else {
-            int(event.ptr)
+            match pointer(event.ptr, base) {
+                Some(p) => (Num::Int(p), false),
+                None => (int(event.ptr), true),
+            }
         };
-        let arg = if reallocates {
+        if pointer(event.ptr, 0).is_some() {
+            self.last_ptr = event.ptr;
+        }
+        let o = if reallocates {
             if released_known {
                 Num::Null
             } else {
@@ -44,34 +110,120 @@ impl EventRow {
         } else {
             event.align.map_or(Num::Null, int)
         };
-        let alloc_dist = match event.alloc_id {
+        let d = match event.alloc_id {
             Some(alloc) => Num::Int((event.id as i64).wrapping_sub(alloc as i64)),
             None => Num::Null,
         };
-        EventRow {
+        let t = match i64::try_from(i128::from(event.ts_ns) - i128::from(base_ns)) {
+            Ok(t) => Num::Int(t),
+            Err(_) => Num::Real(event.ts_ns as f64 - base_ns as f64),
+        };
+        Ok(EventRow {
             id: int(event.id),
-            ts_ns: int(event.ts_ns),
-            kind: i64::from(event.op as u8) | (thread << 4),
-            stack_id: event.stack_id.map_or(Num::Null, int),
-            ptr,
-            size: event.size.map_or(Num::Null, int),
-            alloc_dist,
-            arg,
-        }
+            t,
+            k: i64::from(event.op as u8) | if raw { RAW_PTR } else { 0 } | (site << SITE_SHIFT),
+            p,
+            n: event.size.map_or(Num::Null, int),
+            d,
+            o,
+        })
     }
 
-    pub(super) fn values(&self) -> [Num; EVENT_COLUMNS] {
-        [
-            self.id,
-            self.ts_ns,
-            Num::Int(self.kind),
-            self.stack_id,
-            self.ptr,
-            self.size,
-            self.alloc_dist,
-            self.arg,
-        ]
+    /// The base time of `event`'s epoch: its time if it is the epoch's
+    /// first event.
+    fn epoch_base(&mut self, conn: &Connection, event: &Event) -> Result<u64, SinkError> {
+        let epoch = event.id >> EPOCH_BITS;
+        if let Some((current, base)) = self.epoch
+            && current == epoch
+        {
+            return Ok(base);
+        }
+        let inserted = conn
+            .prepare_cached("INSERT OR IGNORE INTO event_epochs(epoch, ts_ns) VALUES (?, ?)")?
+            .execute(params![int(epoch), int(event.ts_ns)])?;
+        let base = if inserted == 1 {
+            event.ts_ns
+        } else {
+            // An epoch met again (ids out of order): its base is stored.
+            let stored: Option<i64> = conn
+                .prepare_cached("SELECT ts_ns FROM event_epochs WHERE epoch = ?")?
+                .query_row([int(epoch)], |r| r.get(0))
+                .optional()?;
+            stored.map_or(event.ts_ns, |ns| ns.max(0) as u64)
+        };
+        self.epoch = Some((epoch, base));
+        Ok(base)
     }
+
+    /// The code and base pointer of (thread, `event`'s stack).
+    fn site(
+        &mut self,
+        conn: &Connection,
+        event: &Event,
+        thread: i64,
+    ) -> Result<(i64, u64), SinkError> {
+        let key = (thread, event.stack_id);
+        if let Some((last, site)) = self.last_site
+            && last == key
+        {
+            return Ok(site);
+        }
+        let site = match self.sites.get(&key) {
+            Some(&site) => site,
+            None => {
+                let code = self.sites.len() as i64;
+                let base = if pointer(event.ptr, 0).is_some() {
+                    event.ptr
+                } else {
+                    self.last_ptr
+                };
+                conn.prepare_cached(
+                    "INSERT INTO event_sites(code, thread, stack_id, base, pid, tid) \
+                     VALUES (?, ?, ?, ?, ?, ?)",
+                )?
+                .execute(params![
+                    code,
+                    thread,
+                    event.stack_id.map(int),
+                    int(base),
+                    event.pid,
+                    event.tid
+                ])?;
+                self.sites.insert(key, (code, base));
+                (code, base)
+            }
+        };
+        self.last_site = Some((key, site));
+        Ok(site)
+    }
+
+    /// Forget what may have been rolled back with a failed transaction, and
+    /// take the sites and epochs as the database has them.
+    pub(super) fn reload(&mut self, conn: &Connection) -> Result<(), SinkError> {
+        self.sites.clear();
+        self.last_site = None;
+        self.epoch = None;
+        let mut stmt = conn.prepare("SELECT code, thread, stack_id, base FROM event_sites")?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            let stack: Option<i64> = row.get(2)?;
+            let base: i64 = row.get(3)?;
+            self.sites.insert(
+                (row.get(1)?, stack.map(|s| s as u64)),
+                (row.get(0)?, base as u64),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `ptr` as the distance from `base` in units of 16 bytes, when it is a
+/// 16-aligned pointer other than 0 that SQLite can hold as an integer.
+fn pointer(ptr: u64, base: u64) -> Option<i64> {
+    if ptr == 0 || ptr % 16 != 0 || ptr > i64::MAX as u64 || base % 16 != 0 {
+        return None;
+    }
+    i64::try_from((i128::from(ptr) - i128::from(base)) / 16).ok()
 }
 
 /// An SQL number. SQLite integers are signed 64-bit: a `u64` above

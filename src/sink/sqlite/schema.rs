@@ -10,10 +10,11 @@
 //! ORDER BY inside aggregates), because whatever `sqlite3` a user has must be
 //! able to parse it, or it cannot open the file at all.
 
+use super::rows::{EPOCH_BITS, RAW_PTR, SITE_SHIFT};
 use crate::event::Op;
 
 /// `PRAGMA user_version` of databases written with this schema.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// `PRAGMA application_id`: "MPTR", so `file(1)` and tools can tell a trace.
 pub const APPLICATION_ID: i64 = 0x4d50_5452;
@@ -118,13 +119,28 @@ CREATE TABLE exec_releases(
 -- last (an SQLite built with SQLITE_ENABLE_NULL_TRIM leaves them out).
 CREATE TABLE event_log(
     id INTEGER PRIMARY KEY,
-    ts_ns INTEGER,
-    kind INTEGER,
+    t INTEGER,
+    k INTEGER,
+    d INTEGER,
+    p INTEGER,
+    n INTEGER,
+    o INTEGER
+);
+-- The base time of each epoch of event_log: the ids sharing id >> 10.
+CREATE TABLE event_epochs(
+    epoch INTEGER PRIMARY KEY,
+    ts_ns INTEGER NOT NULL
+);
+-- Each (thread, stack) that called the allocator: an event's k names it.
+-- pid and tid repeat event_threads', so that a view finds them in one
+-- lookup per event.
+CREATE TABLE event_sites(
+    code INTEGER PRIMARY KEY,
+    thread INTEGER NOT NULL,
     stack_id INTEGER,
-    ptr INTEGER,
-    size INTEGER,
-    alloc_dist INTEGER,
-    arg INTEGER
+    base INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    tid INTEGER NOT NULL
 );
 -- One row per call of a mapping function (docs/schema.md, map_events).
 CREATE TABLE map_events(
@@ -207,18 +223,47 @@ fn op_name(x: &str) -> String {
         .iter()
         .map(|&op| format!("WHEN {} THEN '{}'", op as u8, op.name()))
         .collect();
-    format!("CASE {x}.kind & 15 {} END", arms.join(" "))
+    format!("CASE {x}.k & 15 {} END", arms.join(" "))
+}
+
+/// `column` of the site (`event_sites`) of `event_log` row `x`.
+fn site(x: &str, column: &str) -> String {
+    format!("(SELECT {column} FROM event_sites WHERE code = {x}.k >> {SITE_SHIFT})")
 }
 
 /// `column` (pid or tid) of the thread of `event_log` row `x`.
 fn thread(x: &str, column: &str) -> String {
-    format!("(SELECT {column} FROM event_threads WHERE code = {x}.kind >> 4)")
+    site(x, column)
 }
 
-/// The block released by `event_log` row `x`, when `x.alloc_dist` names the
-/// event that allocated it.
+/// `ts_ns` of `event_log` row `x`: its time in its epoch plus the epoch's.
+fn ts(x: &str) -> String {
+    format!("({x}.t + (SELECT ts_ns FROM event_epochs WHERE epoch = {x}.id >> {EPOCH_BITS}))")
+}
+
+/// The pointer stored in `event_log` row `x` (NULL for a free of a known
+/// block): raw, or the site's base plus 16 bytes per unit.
+fn ptr(x: &str) -> String {
+    format!(
+        "CASE WHEN {x}.p IS NULL THEN NULL WHEN {x}.k & {RAW_PTR} THEN {x}.p \
+         ELSE {base} + {x}.p * 16 END",
+        base = site(x, "base")
+    )
+}
+
+/// True when `event_log` row `x` stores a pointer other than 0 (`ptr <> 0`
+/// on the decoded pointer: an encoded one never is 0).
+fn nonzero(x: &str) -> String {
+    format!("({x}.p IS NOT NULL AND NOT ({x}.k & {RAW_PTR} AND {x}.p = 0))")
+}
+
+/// The block released by `event_log` row `x`, when `x.d` names the event
+/// that allocated it.
 fn released_ptr(x: &str) -> String {
-    format!("(SELECT ptr FROM event_log WHERE id = {x}.id - {x}.alloc_dist)")
+    format!(
+        "(SELECT {} FROM event_log q WHERE q.id = {x}.id - {x}.d)",
+        ptr("q")
+    )
 }
 
 /// True for an allocation `a` (an event that returned a block) that no
@@ -227,11 +272,11 @@ fn released_ptr(x: &str) -> String {
 /// `open_blocks`.
 pub fn unreleased(a: &str) -> String {
     format!(
-        "{a}.kind & 15 <> {free} AND {a}.ptr <> 0 \
-         AND {a}.id NOT IN (SELECT r.id - r.alloc_dist FROM event_log r \
-                            WHERE r.alloc_dist IS NOT NULL) \
+        "{a}.k & 15 <> {free} AND {nonzero} \
+         AND {a}.id NOT IN (SELECT r.id - r.d FROM event_log r WHERE r.d IS NOT NULL) \
          AND {a}.id NOT IN (SELECT alloc_id FROM exec_releases)",
-        free = Op::Free as u8
+        free = Op::Free as u8,
+        nonzero = nonzero(a),
     )
 }
 
@@ -239,25 +284,52 @@ pub fn unreleased(a: &str) -> String {
 /// allocation `a` it names (shared with `temporary`).
 fn pair_columns() -> String {
     format!(
-        "coalesce(a.ptr, CASE WHEN r.kind & 15 = {free} THEN r.ptr ELSE r.arg END) AS ptr,
-       a.size AS size,
+        "coalesce({ptr_a}, CASE WHEN r.k & 15 = {free} THEN {ptr_r} ELSE r.o END) AS ptr,
+       a.n AS size,
        {tid_a} AS tid,
        {pid_a} AS pid,
        {op_a} AS op,
        a.id AS alloc_id,
-       a.ts_ns AS alloc_ns,
-       r.ts_ns AS free_ns,
+       {ts_a} AS alloc_ns,
+       {ts_r} AS free_ns,
        {op_r} AS free_op,
        r.id AS free_id,
-       a.stack_id AS alloc_stack_id,
-       r.stack_id AS free_stack_id,
+       {stack_a} AS alloc_stack_id,
+       {stack_r} AS free_stack_id,
        {tid_r} AS free_tid",
         free = Op::Free as u8,
+        ptr_a = ptr("a"),
+        ptr_r = ptr("r"),
         tid_a = thread("a", "tid"),
         pid_a = thread("a", "pid"),
         op_a = op_name("a"),
         op_r = op_name("r"),
+        ts_a = ts("a"),
+        ts_r = ts("r"),
+        stack_a = site("a", "stack_id"),
+        stack_r = site("r", "stack_id"),
         tid_r = thread("r", "tid"),
+    )
+}
+
+/// The columns of `leaks` for an allocation `a` no release named, and of
+/// `allocations` for one an exec released (`x`).
+fn unpaired_columns(exec: bool) -> String {
+    let (pid, free_ns, free_op) = if exec {
+        ("x.pid".to_string(), "x.ts_ns", "'exec'")
+    } else {
+        (thread("a", "pid"), "NULL", "NULL")
+    };
+    format!(
+        "{ptr} AS ptr, a.n AS size, {tid} AS tid, {pid} AS pid, {op} AS op,
+         a.id AS alloc_id, {ts} AS alloc_ns, {free_ns} AS free_ns, {free_op} AS free_op,
+         NULL AS free_id, {stack} AS alloc_stack_id, NULL AS free_stack_id,
+         NULL AS free_tid",
+        ptr = ptr("a"),
+        tid = thread("a", "tid"),
+        op = op_name("a"),
+        ts = ts("a"),
+        stack = site("a", "stack_id"),
     )
 }
 
@@ -267,23 +339,8 @@ fn pair_columns() -> String {
 fn views() -> String {
     let realloc = format!("IN ({}, {})", Op::Realloc as u8, Op::Reallocarray as u8);
     let free = Op::Free as u8;
-    let leak_columns = format!(
-        "a.ptr AS ptr, a.size AS size, {tid} AS tid, {pid} AS pid, {op} AS op,
-         a.id AS alloc_id, a.ts_ns AS alloc_ns, NULL AS free_ns, NULL AS free_op,
-         NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
-         NULL AS free_tid",
-        tid = thread("a", "tid"),
-        pid = thread("a", "pid"),
-        op = op_name("a"),
-    );
-    let exec_columns = format!(
-        "a.ptr AS ptr, a.size AS size, {tid} AS tid, x.pid AS pid, {op} AS op,
-         a.id AS alloc_id, a.ts_ns AS alloc_ns, x.ts_ns AS free_ns, 'exec' AS free_op,
-         NULL AS free_id, a.stack_id AS alloc_stack_id, NULL AS free_stack_id,
-         NULL AS free_tid",
-        tid = thread("a", "tid"),
-        op = op_name("a"),
-    );
+    let leak_columns = unpaired_columns(false);
+    let exec_columns = unpaired_columns(true);
     let unreleased = unreleased("a");
     // The leaks of a finished trace are its rows of agg_live (those of
     // open_blocks): read there, the event log is not read at all. A trace
@@ -305,23 +362,23 @@ fn views() -> String {
     };
     let (unless_agg, unless_finished) = (unless("agg_totals"), unless("trace_finished"));
     // 1 when event `e` returned a block, else 0 (heap_over_time).
-    let allocated = format!("(e.kind & 15 <> {free} AND coalesce(e.ptr, 0) <> 0)");
+    let allocated = format!("(e.k & 15 <> {free} AND {})", nonzero("e"));
     let line_loc = location("l");
     let frame_loc = location("f");
     format!(
         "
 CREATE VIEW events AS
 SELECT e.id AS id,
-       e.ts_ns AS ts_ns,
+       {ts_e} AS ts_ns,
        {pid_e} AS pid,
        {tid_e} AS tid,
        {op_e} AS op,
-       coalesce(e.ptr, {released_e}) AS ptr,
-       e.size AS size,
-       CASE WHEN e.kind & 15 {realloc} THEN coalesce(e.arg, {released_e}) END AS old_ptr,
-       CASE WHEN e.kind & 15 NOT {realloc} THEN e.arg END AS align,
-       e.id - e.alloc_dist AS alloc_id,
-       e.stack_id AS stack_id
+       coalesce({ptr_e}, {released_e}) AS ptr,
+       e.n AS size,
+       CASE WHEN e.k & 15 {realloc} THEN coalesce(e.o, {released_e}) END AS old_ptr,
+       CASE WHEN e.k & 15 NOT {realloc} THEN e.o END AS align,
+       e.id - e.d AS alloc_id,
+       {stack_e} AS stack_id
 FROM event_log e;
 
 CREATE VIEW leaks AS
@@ -339,18 +396,18 @@ WHERE a.id <= {unless_finished} AND {unreleased};
 CREATE VIEW leaks_by_stack(stack_id, blocks, bytes) AS
 SELECT stack_id, blocks, bytes FROM finished_leaks
 UNION ALL
-SELECT a.stack_id, count(*), sum(a.size)
+SELECT {stack_a}, count(*), sum(a.n)
 FROM event_log a
 WHERE a.id <= {unless_finished} AND {unreleased}
-GROUP BY a.stack_id;
+GROUP BY 1;
 
 CREATE VIEW allocations AS
 SELECT {pair_columns}
 FROM event_log r
-LEFT JOIN event_log a ON a.id = r.id - r.alloc_dist
-WHERE r.alloc_dist IS NOT NULL
-   OR (r.kind & 15 = {free} AND r.ptr <> 0)
-   OR (r.kind & 15 {realloc} AND r.arg <> 0 AND (r.ptr <> 0 OR r.size = 0))
+LEFT JOIN event_log a ON a.id = r.id - r.d
+WHERE r.d IS NOT NULL
+   OR (r.k & 15 = {free} AND {nonzero_r})
+   OR (r.k & 15 {realloc} AND r.o <> 0 AND ({nonzero_r} OR r.n = 0))
 UNION ALL
 SELECT {exec_columns}
 FROM exec_releases x JOIN event_log a ON a.id = x.alloc_id
@@ -360,22 +417,22 @@ SELECT * FROM leaks;
 CREATE VIEW temporary AS
 SELECT {pair_columns}
 FROM event_log r
-JOIN event_log a ON a.id = r.id - r.alloc_dist
-WHERE r.alloc_dist IS NOT NULL
-  AND a.kind >> 4 = r.kind >> 4
+JOIN event_log a ON a.id = r.id - r.d
+WHERE r.d IS NOT NULL
+  AND {thread_a} = {thread_r}
   AND NOT EXISTS (SELECT 1 FROM event_log x
-                  WHERE x.id > a.id AND x.id < r.id AND x.kind >> 4 = r.kind >> 4);
+                  WHERE x.id > a.id AND x.id < r.id AND {thread_x} = {thread_r});
 
 CREATE VIEW heap_over_time(id, ts_ns, delta, bytes, blocks) AS
 WITH RECURSIVE h(id, ts_ns, delta, dblocks, bytes, blocks) AS (
-    SELECT e.id, e.ts_ns, {delta}, {dblocks}, {delta}, {dblocks}
-    FROM event_log e LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
+    SELECT e.id, {ts_e}, {delta}, {dblocks}, {delta}, {dblocks}
+    FROM event_log e LEFT JOIN event_log a ON a.id = e.id - e.d
     WHERE e.id = (SELECT min(id) FROM event_log)
     UNION ALL
-    SELECT e.id, e.ts_ns, {delta}, {dblocks}, h.bytes + {delta}, h.blocks + {dblocks}
+    SELECT e.id, {ts_e}, {delta}, {dblocks}, h.bytes + {delta}, h.blocks + {dblocks}
     FROM h
     JOIN event_log e ON e.id = (SELECT min(x.id) FROM event_log x WHERE x.id > h.id)
-    LEFT JOIN event_log a ON a.id = e.id - e.alloc_dist
+    LEFT JOIN event_log a ON a.id = e.id - e.d
 )
 SELECT id, ts_ns, delta, bytes, blocks FROM h;
 
@@ -402,12 +459,20 @@ WITH RECURSIVE walk(id, text) AS (
 SELECT id, text FROM walk;
 ",
         trust_s = trust_mark("s"),
+        ts_e = ts("e"),
         pid_e = thread("e", "pid"),
         tid_e = thread("e", "tid"),
         op_e = op_name("e"),
+        ptr_e = ptr("e"),
+        stack_e = site("e", "stack_id"),
+        stack_a = site("a", "stack_id"),
         released_e = released_ptr("e"),
+        nonzero_r = nonzero("r"),
+        thread_a = site("a", "thread"),
+        thread_r = site("r", "thread"),
+        thread_x = site("x", "thread"),
         pair_columns = pair_columns(),
-        delta = format!("({allocated} * coalesce(e.size, 0) - coalesce(a.size, 0))"),
+        delta = format!("({allocated} * coalesce(e.n, 0) - coalesce(a.n, 0))"),
         dblocks = format!("({allocated} - (a.id IS NOT NULL))"),
     )
 }

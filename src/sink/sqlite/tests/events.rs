@@ -56,39 +56,7 @@ fn events_round_trip_with_op_names() {
     }
     sink.finish().unwrap();
     let conn = read(&dir.db());
-    let mut stmt = conn
-        .prepare(
-            "SELECT id, ts_ns, pid, tid, op, ptr, size, old_ptr, align, alloc_id, stack_id
-             FROM events ORDER BY id",
-        )
-        .unwrap();
-    let back: Vec<Event> = stmt
-        .query_map([], |r| {
-            let op: String = r.get(4)?;
-            // A size beyond i64::MAX comes back as REAL.
-            let size = match r.get_ref(6)? {
-                rusqlite::types::ValueRef::Real(v) => Some(v as u64),
-                other => other.as_i64_or_null()?.map(|v| v as u64),
-            };
-            let u = |i| r.get::<_, i64>(i).map(|v| v as u64);
-            let opt = |i| r.get::<_, Option<i64>>(i).map(|v| v.map(|v| v as u64));
-            Ok(Event {
-                id: u(0)?,
-                ts_ns: u(1)?,
-                pid: r.get(2)?,
-                tid: r.get(3)?,
-                op: Op::from_name(&op).expect("a known op name"),
-                ptr: u(5)?,
-                size,
-                old_ptr: opt(7)?,
-                align: opt(8)?,
-                alloc_id: opt(9)?,
-                stack_id: opt(10)?,
-            })
-        })
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+    let back = stored_events(&conn);
     assert_eq!(back, events);
     let huge: f64 = conn
         .query_row("SELECT size FROM events WHERE id = 2", [], |r| r.get(0))

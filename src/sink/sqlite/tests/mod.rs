@@ -2,6 +2,7 @@
 //! users see it: tables and the trace's life in `tables`, events and the
 //! views over them in `events`.
 
+mod encoding;
 mod events;
 mod heap;
 mod tables;
@@ -100,4 +101,41 @@ fn meta(key: &str, value: &str) -> Record {
         key: key.into(),
         value: value.into(),
     }
+}
+
+/// Every row of the `events` view, in id order, as the events written. A
+/// number beyond i64::MAX comes back as REAL, so close to what it was.
+fn stored_events(conn: &Connection) -> Vec<Event> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT id, ts_ns, pid, tid, op, ptr, size, old_ptr, align, alloc_id, stack_id
+             FROM events ORDER BY id",
+        )
+        .unwrap();
+    stmt.query_map([], |r| {
+        let op: String = r.get(4)?;
+        let opt = |i: usize| -> rusqlite::Result<Option<u64>> {
+            Ok(match r.get_ref(i)? {
+                rusqlite::types::ValueRef::Real(v) => Some(v as u64),
+                other => other.as_i64_or_null()?.map(|v| v as u64),
+            })
+        };
+        let u = |i: usize| opt(i).map(Option::unwrap_or_default);
+        Ok(Event {
+            id: u(0)?,
+            ts_ns: u(1)?,
+            pid: r.get(2)?,
+            tid: r.get(3)?,
+            op: Op::from_name(&op).expect("a known op name"),
+            ptr: u(5)?,
+            size: opt(6)?,
+            old_ptr: opt(7)?,
+            align: opt(8)?,
+            alloc_id: opt(9)?,
+            stack_id: opt(10)?,
+        })
+    })
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap()
 }

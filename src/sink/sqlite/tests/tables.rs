@@ -32,7 +32,9 @@ fn creates_the_schema() {
         "agg_sizes",
         "agg_totals",
         "allocations",
+        "event_epochs",
         "event_log",
+        "event_sites",
         "event_threads",
         "events",
         "frame_lines",
@@ -59,7 +61,7 @@ fn creates_the_schema() {
             "{expected} in {names:?}"
         );
     }
-    assert_eq!(query_i64(&conn, "PRAGMA user_version"), 1);
+    assert_eq!(query_i64(&conn, "PRAGMA user_version"), 2);
     assert_eq!(query_i64(&conn, "SELECT count(*) FROM ops"), 11);
     // The contract's columns, by name.
     conn.prepare(
