@@ -1,10 +1,12 @@
 //! Children on a fake target: a clone, fork or vfork announced by its
 //! parent's event, and adopted at its first stop, whichever comes first;
-//! a fork that is not followed released with its code put back.
+//! a fork that is not followed released with its code put back, and so is
+//! a child that shared the memory of a process that ended.
 
 use super::life_tests::Rig;
-use super::process::{Child, Role};
+use super::process::{Child, Process, Role, Thread};
 use super::space::fake::{FakeSpace, PID};
+use super::target::Target;
 use super::target::fake::Call;
 use crate::os::ptrace::{Stop, Tid};
 
@@ -158,4 +160,28 @@ fn a_fork_not_followed_is_released_with_its_code_put_back() {
     assert!(rig.stats.warnings[0].starts_with(&format!("cleaning code in child {CHILD}")));
     // The parent's code is its own: still hooked.
     assert!(code.iter().any(hooked));
+}
+
+#[test]
+fn a_child_sharing_memory_with_a_process_that_ends_gets_the_code_back_and_goes() {
+    // A clone with CLONE_VM outlived its parent: the memory is its own now.
+    let mut rig = Rig::new(&[PID]);
+    rig.target.process(CHILD, &[CHILD]);
+    rig.target.seize(CHILD, 0).unwrap();
+    rig.target.calls.clear();
+    let mut process = Process::new(Role::Shares { parent: PID }, None);
+    process.paused = Some(PID);
+    rig.family.processes.insert(CHILD, process);
+    rig.family.threads.insert(CHILD, Thread::new(CHILD, 0));
+    rig.life().thread_gone(PID, Stop::Exited(0)).unwrap();
+    let mem = rig.target.memory(PID);
+    for (at, orig) in FakeSpace::libc(true).code {
+        assert_eq!(mem.bytes(at, orig.len()), orig, "code at {at:#x}");
+    }
+    // Running: stopped first, then let go.
+    assert_eq!(
+        rig.target.calls,
+        vec![Call::Interrupt(CHILD), Call::Detach(CHILD, 0)]
+    );
+    assert!(rig.family.processes.is_empty() && rig.family.threads.is_empty());
 }
