@@ -8,13 +8,16 @@
 //! and loses the pages before it runs a single instruction; followed, it gets
 //! a copy of its parent's [`Space`] with modules of its own.
 
+use super::life::Life;
 use super::process::{Child, Family, Process, Role, Thread};
 use super::space::Space;
 use super::target::Target;
-use super::{TraceError, Tracer, detach};
+use super::{TraceError, detach, failopen};
 use crate::os::ptrace::{self, Stop, Tid};
+use crate::trace_msg::TraceMsg;
 
-impl Tracer {
+/// Children are a lifecycle step: they run on the [`Life`] view.
+impl<T: Target> Life<'_, T> {
     /// A clone/fork/vfork event: learn what the child is. Its first stop may
     /// already have arrived (then it is adopted now) or may come later.
     /// `stopped`: adopt it without resuming it (while detaching).
@@ -44,7 +47,7 @@ impl Tracer {
             // The child runs on the parent thread's stack and thread
             // pointer: the jump probes must not record its calls as the
             // parent's (the parent itself waits until the child execs).
-            self.pause_slots(by, true);
+            self.family.pause_slots(by, true);
         }
         match (self.family.early.remove(&child), stopped) {
             (Some(first), false) => self.adopt(child, kind, first),
@@ -60,13 +63,13 @@ impl Tracer {
     pub(super) fn adopt(&mut self, tid: Tid, child: Child, first: Stop) -> Result<(), TraceError> {
         match child {
             Child::Thread { pid } => {
-                self.add_thread(tid, pid);
-                let alive_ticks = self.alive_ticks();
-                self.family
-                    .register_early(&mut self.target, tid, alive_ticks);
+                self.book.add_thread(self.family, tid, pid);
+                let alive_ticks =
+                    failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached);
+                self.family.register_early(self.target, tid, alive_ticks);
                 // A thread born while its process stops (SIGSTOP, SIGTSTP)
                 // starts in that group-stop: it stays stopped with the rest.
-                self.resume_from(tid, first)
+                Ok(self.family.resume_from(self.target, tid, first)?)
             }
             Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
             Child::Fork { parent } => self.let_fork_go(tid, parent),
@@ -74,9 +77,9 @@ impl Tracer {
                 let mut process = Process::new(Role::Shares { parent }, None);
                 process.paused = Some(by);
                 self.family.processes.insert(tid, process);
-                let start_ns = self.now_ns();
+                let start_ns = self.book.now_ns();
                 self.family.threads.insert(tid, Thread::new(tid, start_ns));
-                self.resume(tid, 0)
+                Ok(self.family.resume(self.target, tid, 0)?)
             }
         }
     }
@@ -99,7 +102,7 @@ impl Tracer {
                         self.stats.warnings.push(format!(
                             "process {tid}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}"
                         ));
-                        self.note_planted(tid, planted);
+                        self.stats.note_planted(tid, planted);
                     }
                     Err(again) => {
                         self.stats.warnings.push(format!(
@@ -113,21 +116,21 @@ impl Tracer {
                 let _ = self.target.tgkill(tid, tid, sig);
             }
         }
-        let now = self.now_ns();
+        let now = self.book.now_ns();
         let modules: Vec<_> = copy.modules.values().cloned().collect();
         let areas = copy.area_ranges();
-        self.send(crate::trace_msg::TraceMsg::Trampolines {
+        self.book.send(TraceMsg::Trampolines {
             pid: tid as u32,
             areas,
         });
         for module in &modules {
-            self.announce_image(tid, module, now);
+            self.images().announce(tid, module, now);
         }
         self.family
             .processes
             .insert(tid, Process::new(Role::Traced, Some(copy)));
-        self.add_thread(tid, tid);
-        self.resume(tid, 0)
+        self.book.add_thread(self.family, tid, tid);
+        Ok(self.family.resume(self.target, tid, 0)?)
     }
 
     /// A forked child not to be traced, let go (see [`Family::release_fork`]).
@@ -135,7 +138,7 @@ impl Tracer {
         let warnings = &mut self.stats.warnings;
         Ok(self
             .family
-            .release_fork(&mut self.target, tid, parent, warnings)?)
+            .release_fork(self.target, tid, parent, warnings)?)
     }
 }
 

@@ -6,6 +6,7 @@
 use std::io;
 use std::time::{Duration, Instant};
 
+use super::detach::Detached;
 use super::stop::Stopped;
 use super::target::Target;
 use super::{Ending, TraceError, TraceStats, Tracer, failure, signal_name};
@@ -199,7 +200,7 @@ impl Tracer {
                 Ok(self.family.deliver(&mut self.target, tid, sig)?)
             }
             Stopped::Birth(event) => {
-                self.announce_child(tid, event, false)?;
+                self.life().announce_child(tid, event, false)?;
                 self.resume(tid, 0)
             }
             Stopped::Exec => {
@@ -239,6 +240,32 @@ impl Tracer {
         }
     }
 
+    /// Let every thread go (see [`super::detach`]): the calls held back for
+    /// the attach's inventory are booked first, and the heaps mapped once
+    /// the threads run again.
+    pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
+        self.finish_inventory(true);
+        let detached = self.life().detach_all()?;
+        self.after_detach(detached);
+        Ok(())
+    }
+
+    /// Let go the threads an attach stopped (see [`super::detach`]).
+    pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
+        let detached = self.life().let_go_held()?;
+        self.after_detach(detached);
+        Ok(())
+    }
+
+    /// The heaps of a detach mapped, then the threads that had not
+    /// stopped let go as each stops.
+    fn after_detach(&mut self, mut detached: Detached) {
+        let heaps = std::mem::take(&mut detached.heaps);
+        self.heaps
+            .map_heaps_after_detach(&mut self.book, &mut self.stats, heaps);
+        self.life().finish_detach(detached);
+    }
+
     /// A stop of a thread we do not know yet: a new thread or child whose
     /// creation event is still queued behind it.
     fn unknown(&mut self, tid: Tid, stop: Stop) -> Result<(), TraceError> {
@@ -248,7 +275,7 @@ impl Tracer {
             return Ok(());
         }
         match self.family.announced.remove(&tid) {
-            Some(child) => self.adopt(tid, child, stop),
+            Some(child) => self.life().adopt(tid, child, stop),
             None => {
                 self.family.early.insert(tid, stop);
                 Ok(())

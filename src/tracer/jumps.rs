@@ -2,26 +2,25 @@
 //! has a slot, a vfork child running on its parent's slot, a stack walk
 //! that faulted, a thread inside a patch at attach (all the family's, over
 //! a target); and the detach, which must get every thread out of the
-//! probes before their code goes (still the tracer's: it waits for stops).
+//! probes before their code goes (a lifecycle step, on the [`Life`] view).
 
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::time::{Duration, Instant};
 
 use super::calls::redirect;
+use super::life::Life;
 use super::probes::Probe;
 use super::process::{Family, Role};
 use super::target::Target;
-use super::{TraceError, TraceStats, Tracer};
-use crate::memory::Memory;
-use crate::os::mem;
+use super::{TraceError, TraceStats};
 use crate::os::ptrace::{Regs, Tid};
 
 /// How long threads in a probe's code run at first before they are
 /// stopped again at detach, and at most (doubled at each round).
 const RUN_OUT: (Duration, Duration) = (Duration::from_micros(50), Duration::from_millis(5));
 
-impl Tracer {
+impl<T: Target> Life<'_, T> {
     /// At detach, every thread stopped: let each thread standing in a
     /// probe's code run until it is out (its record committed, or its call
     /// begun), and send every call still inside a function that a probe
@@ -34,8 +33,7 @@ impl Tracer {
         deliver: &mut HashMap<Tid, i32>,
         keep_pages: &mut HashSet<Tid>,
     ) -> Result<Vec<Tid>, TraceError> {
-        self.book
-            .drain_rings(&mut self.family, &mut self.stats, false);
+        self.book.drain_rings(self.family, self.stats, false);
         let (inside, running) = self.run_out(deliver)?;
         for tid in inside.iter().chain(&running) {
             if let Some(owner) = self.family.owner_of(*tid) {
@@ -59,11 +57,13 @@ impl Tracer {
             let owner = space.pid;
             let pid = self.family.pid_of(tid).unwrap_or(tid);
             for slot in control.slots_of(tid) {
+                // The slot is the target's memory: a stack pointer below 16
+                // is no call in progress.
                 let sp = control.pending_sp(slot);
-                if sp == 0 {
+                let Some(at) = sp.checked_sub(16).filter(|_| sp != 0) else {
                     continue;
-                }
-                let ret = mem::ProcessMemory(pid).read_u64(sp - 16).ok();
+                };
+                let ret = self.target.read_word(pid, at).ok();
                 let is_ours = ret.is_some_and(|r| {
                     space.hooks.iter().any(|h| {
                         matches!(&h.probe, Probe::Jump { code, .. } if code.ret_path == Some(r))
@@ -75,15 +75,14 @@ impl Tracer {
                 self.stats.lost_returns += 1;
                 let gadget = *pop_rets.entry(owner).or_insert_with(|| space.pop_ret());
                 match gadget {
-                    Some(to) => mem::write_data(pid, sp - 16, &to.to_le_bytes())?,
+                    Some(to) => self.target.write_data(pid, at, &to.to_le_bytes())?,
                     None => {
                         keep_pages.insert(owner);
                     }
                 }
             }
         }
-        self.book
-            .drain_rings(&mut self.family, &mut self.stats, true);
+        self.book.drain_rings(self.family, self.stats, true);
         Ok(running)
     }
 
@@ -199,8 +198,7 @@ impl Tracer {
         deadline: Instant,
     ) -> Result<Vec<Tid>, TraceError> {
         // A thread waiting for room in its ring needs it read.
-        self.book
-            .drain_rings(&mut self.family, &mut self.stats, false);
+        self.book.drain_rings(self.family, self.stats, false);
         let mut waiting: HashSet<Tid> = HashSet::new();
         for &tid in tids {
             let sig = deliver.remove(&tid).unwrap_or(0);

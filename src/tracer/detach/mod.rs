@@ -14,17 +14,31 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
+use super::life::Life;
 use super::pauses::PauseClock;
 use super::process::{Family, Role};
+use super::space::Space;
 use super::stopping::Stopping;
-use super::target::{Live, Target};
-use super::{TraceError, TraceStats, Tracer};
+use super::target::Target;
+use super::{TraceError, TraceStats};
 use crate::os::ptrace::{Stop, Tid};
 
+#[cfg(test)]
+mod detach_tests;
 mod leave;
 mod release;
 
 use release::Release;
+
+/// What a detach leaves once every thread it stopped is let go: the heaps
+/// to map (the tracer's, which [`Life`] does not hold), then the threads
+/// that had not stopped, let go as each stops ([`Life::finish_detach`]).
+pub(super) struct Detached {
+    /// The traced processes, whose heaps are mapped now they run again.
+    pub heaps: Vec<Tid>,
+    later: Vec<(Tid, Tid)>,
+    deferred: HashMap<Tid, Space>,
+}
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
@@ -49,10 +63,11 @@ pub(super) fn detach_running(target: &mut impl Target, tid: Tid) {
     }
 }
 
-impl Tracer {
+/// Detaching is a lifecycle step: it runs on the [`Life`] view.
+impl<T: Target> Life<'_, T> {
     /// Detach the threads an attach stopped, putting back whatever was
     /// planted; the threads that did not stop are left alone.
-    pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
+    pub fn let_go_held(&mut self) -> Result<Detached, TraceError> {
         let held = std::mem::take(&mut self.control.held);
         let deliver = held
             .iter()
@@ -69,9 +84,10 @@ impl Tracer {
         self.restore_and_release(deliver, &stuck, &HashSet::new(), None)
     }
 
-    pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
-        // The calls held back for the attach's inventory are booked first.
-        self.finish_inventory(true);
+    /// Stop every thread, settle each stop (see [`Life::settle_stopping`]),
+    /// and let the threads go as [`Life::restore_and_release`] does. The
+    /// calls held back for the attach's inventory must be booked before.
+    pub fn detach_all(&mut self) -> Result<Detached, TraceError> {
         let mut pause = PauseClock::start("detach");
         super::dying::detaching();
         let mut waiting: HashSet<Tid> = HashSet::new();
@@ -150,14 +166,14 @@ impl Tracer {
         stuck: &HashSet<Tid>,
         late: &HashSet<Tid>,
         mut pause: Option<PauseClock>,
-    ) -> Result<(), TraceError> {
+    ) -> Result<Detached, TraceError> {
         let mut lap = |name| {
             if let Some(p) = pause.as_mut() {
                 p.lap(name)
             }
         };
         // Every thread is stopped: copies not made yet are read now.
-        self.settle_all(true);
+        self.book.settle_all(self.family, self.target, true);
         lap("settle");
         // Spaces whose pages must stay: a thread is somewhere in them that
         // cannot be mapped back to the original code, or will return there,
@@ -195,19 +211,26 @@ impl Tracer {
         if let Some(pause) = pause {
             self.stats.pauses.push(pause.finish());
         }
-        self.heaps
-            .map_heaps_after_detach(&mut self.book, &mut self.stats, heaps);
-        self.release().finish(later, restored.deferred);
-        Ok(())
+        Ok(Detached {
+            heaps,
+            later,
+            deferred: restored.deferred,
+        })
+    }
+
+    /// The end of a detach, once the heaps are mapped: forget every thread
+    /// and process, and let go those that had not stopped as each stops.
+    pub fn finish_detach(&mut self, detached: Detached) {
+        self.release().finish(detached.later, detached.deferred);
     }
 
     /// The end of a detach's borrows (see [`Release`]).
-    fn release(&mut self) -> Release<'_, Live> {
+    fn release(&mut self) -> Release<'_, T> {
         Release {
-            family: &mut self.family,
-            stops: &mut self.stops,
-            stats: &mut self.stats,
-            target: &mut self.target,
+            family: self.family,
+            stops: self.stops,
+            stats: self.stats,
+            target: self.target,
         }
     }
 }
