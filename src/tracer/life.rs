@@ -8,8 +8,9 @@
 //! heap maps, which are read once the threads are let go.
 
 use super::booking::Booking;
+use super::failopen;
 use super::images::Images;
-use super::process::Family;
+use super::process::{Child, Family, Process, Role, Thread};
 use super::stops::Stops;
 use super::target::Target;
 use super::{Control, Ending, TraceError, TraceOptions, TraceStats};
@@ -29,13 +30,19 @@ pub(super) struct Life<'a, T: Target> {
 
 impl<T: Target> Life<'_, T> {
     /// The parts images concern (see [`super::images`]).
-    fn images(&mut self) -> Images<'_> {
+    pub fn images(&mut self) -> Images<'_> {
         Images {
             opts: self.opts,
             family: self.family,
             book: self.book,
             stats: self.stats,
         }
+    }
+
+    /// The age of a heartbeat at which the probes count memptrace as gone
+    /// (see [`super::failopen`]).
+    pub fn alive_ticks(&self) -> u64 {
+        failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
     }
 
     /// Thread `tid` is gone (`stop`: how it ended). When it is a process's
@@ -92,5 +99,116 @@ impl<T: Target> Life<'_, T> {
             });
         }
         Ok(())
+    }
+}
+
+// forwards (coordinator removes): children.rs's `announce_child` and
+// `adopt` (with `follow_fork` and `let_fork_go`) as they are on `Tracer`,
+// until the other branch's `Life` versions replace them.
+impl<T: Target> Life<'_, T> {
+    pub fn announce_child(
+        &mut self,
+        tid: Tid,
+        event: i32,
+        stopped: bool,
+    ) -> Result<(), TraceError> {
+        let child = self.target.event_msg(tid)? as Tid;
+        let pid = self.family.pid_of(tid).unwrap_or(tid);
+        let kind = match event {
+            libc::PTRACE_EVENT_FORK => Child::Fork { parent: pid },
+            libc::PTRACE_EVENT_VFORK => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
+            _ if self.target.tgid(child) == Some(pid) => Child::Thread { pid },
+            _ => Child::Shared {
+                parent: pid,
+                by: tid,
+            },
+        };
+        if let Child::Shared { by, .. } = kind {
+            self.family.pause_slots(by, true);
+        }
+        match (self.family.early.remove(&child), stopped) {
+            (Some(first), false) => self.adopt(child, kind, first),
+            (Some(_), true) => self.adopt_stopped(child, kind),
+            (None, _) => {
+                self.family.announced.insert(child, kind);
+                Ok(())
+            }
+        }
+    }
+
+    pub fn adopt(&mut self, tid: Tid, child: Child, first: Stop) -> Result<(), TraceError> {
+        match child {
+            Child::Thread { pid } => {
+                self.book.add_thread(self.family, tid, pid);
+                let alive_ticks = self.alive_ticks();
+                self.family.register_early(self.target, tid, alive_ticks);
+                Ok(self.family.resume_from(self.target, tid, first)?)
+            }
+            Child::Fork { parent } if self.opts.follow_forks => self.follow_fork(tid, parent),
+            Child::Fork { parent } => self.let_fork_go(tid, parent),
+            Child::Shared { parent, by } => {
+                let mut process = Process::new(Role::Shares { parent }, None);
+                process.paused = Some(by);
+                self.family.processes.insert(tid, process);
+                let start_ns = self.book.now_ns();
+                self.family.threads.insert(tid, Thread::new(tid, start_ns));
+                Ok(self.family.resume(self.target, tid, 0)?)
+            }
+        }
+    }
+
+    fn follow_fork(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let Some(space) = self.family.space(parent) else {
+            return self.let_fork_go(tid, parent);
+        };
+        let mut copy = space.fork_copy(tid, &mut self.book.next_module_id)?;
+        if let Some(control) = space.control() {
+            let mut signals = Vec::new();
+            if let Err(err) = copy.adopt_control(tid, control, &mut signals) {
+                let why = format!("no memory shared with memptrace: {err}");
+                match copy.jumps_to_int3(tid, &why, &mut signals) {
+                    Ok(planted) => {
+                        self.stats.warnings.push(format!(
+                            "process {tid}: jump probes cannot record without memory shared with memptrace, int3 probes catch its calls: {err}"
+                        ));
+                        self.stats.note_planted(tid, planted);
+                    }
+                    Err(again) => {
+                        self.stats.warnings.push(format!(
+                            "process {tid}: its calls cannot be recorded apart from its parent's ({err}), nor caught by int3 probes ({again}); it is released"
+                        ));
+                        return self.let_fork_go(tid, parent);
+                    }
+                }
+            }
+            for sig in signals {
+                let _ = self.target.tgkill(tid, tid, sig);
+            }
+        }
+        let now = self.book.now_ns();
+        let modules: Vec<_> = copy.modules.values().cloned().collect();
+        let areas = copy.area_ranges();
+        self.book.send(crate::trace_msg::TraceMsg::Trampolines {
+            pid: tid as u32,
+            areas,
+        });
+        for module in &modules {
+            self.images().announce(tid, module, now);
+        }
+        self.family
+            .processes
+            .insert(tid, Process::new(Role::Traced, Some(copy)));
+        self.book.add_thread(self.family, tid, tid);
+        Ok(self.family.resume(self.target, tid, 0)?)
+    }
+
+    fn let_fork_go(&mut self, tid: Tid, parent: Tid) -> Result<(), TraceError> {
+        let warnings = &mut self.stats.warnings;
+        Ok(self
+            .family
+            .release_fork(self.target, tid, parent, warnings)?)
     }
 }

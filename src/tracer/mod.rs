@@ -128,6 +128,30 @@ impl TraceOptions {
     }
 }
 
+impl TraceOptions {
+    /// How the allocator functions of a new address space are caught: jump
+    /// probes unless int3 probes are asked for (or libunwind, which walks a
+    /// stopped thread's stack, unwinds); `alive_ticks`: see [`failopen`].
+    fn catch(&self, alive_ticks: u64) -> Catch {
+        let libunwind = self.stacks && self.unwinder == UnwinderKind::Libunwind;
+        if self.probes == ProbeMode::Jump && !libunwind {
+            let max_frames = if self.stacks {
+                self.max_depth as u64
+            } else {
+                1
+            };
+            Catch::Jump {
+                max_frames,
+                alive_ticks,
+            }
+        } else {
+            Catch::Int3 {
+                buffers: copies::wanted(self),
+            }
+        }
+    }
+}
+
 /// How a trace ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Ending {
@@ -296,6 +320,20 @@ impl Tracer {
         Ok(tracer)
     }
 
+    /// Attach to the running process `pid` and hook it. On return every
+    /// thread runs again (or stays in the group-stop it was found in); on
+    /// error nothing of the process was changed (see `attach.rs`).
+    pub fn attach(
+        opts: TraceOptions,
+        pipeline: PipelineHandle,
+        pid: Tid,
+        clock: Instant,
+        progress: Arc<Progress>,
+        heap_facts: heap::Facts,
+    ) -> Result<Tracer, TraceError> {
+        attach::attach(opts, pipeline, pid, clock, progress, heap_facts)
+    }
+
     /// A tracer that traces nothing yet.
     fn blank(
         opts: TraceOptions,
@@ -325,26 +363,9 @@ impl Tracer {
         &self.stats
     }
 
-    /// How the allocator functions of a new address space are caught: jump
-    /// probes unless int3 probes are asked for (or libunwind, which walks a
-    /// stopped thread's stack, unwinds).
+    /// How the allocator functions of a new address space are caught.
     fn catch(&self) -> Catch {
-        let libunwind = self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind;
-        if self.opts.probes == ProbeMode::Jump && !libunwind {
-            let max_frames = if self.opts.stacks {
-                self.opts.max_depth as u64
-            } else {
-                1
-            };
-            Catch::Jump {
-                max_frames,
-                alive_ticks: self.alive_ticks(),
-            }
-        } else {
-            Catch::Int3 {
-                buffers: copies::wanted(&self.opts),
-            }
-        }
+        self.opts.catch(self.alive_ticks())
     }
 
     /// The age of a heartbeat at which the probes count memptrace as gone
@@ -390,10 +411,6 @@ impl Tracer {
         Ok(self.family.resume_from(&mut self.target, tid, stop)?)
     }
 
-    fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
-        Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
-    }
-
     /// The parts images concern (see [`images`]), and the target.
     fn images(&mut self) -> (Images<'_>, &mut Live) {
         let images = Images {
@@ -430,25 +447,27 @@ impl Tracer {
         }
     }
 
-    /// Forwards for the lifecycle's files (see [`calls`], [`copies`],
-    /// [`images`], [`jumps`]).
-    fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<process::PendingCall> {
-        self.family.returning_call(&mut self.stats, tid, rsp)
-    }
-
-    fn record_return(
+    /// Forwards for the lifecycle's files (see [`stopping`], [`calls`],
+    /// [`copies`], [`images`], [`jumps`]).
+    fn settle_stopping(
         &mut self,
-        pid: Tid,
         tid: Tid,
-        call: process::PendingCall,
-        rax: u64,
-        stored: u64,
-    ) {
-        self.serve().record_return(pid, tid, call, rax, stored);
+        stop: Stop,
+        deliver: &mut HashMap<Tid, i32>,
+    ) -> Result<bool, TraceError> {
+        self.life().settle_stopping(tid, stop, deliver)
     }
 
-    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        self.images().0.refresh(pid, tid)
+    fn next_stop_while_stopping(&mut self) -> Result<stopping::Stopping, TraceError> {
+        self.life().next_stop_while_stopping()
+    }
+
+    fn adopt_announced(&mut self, deadline: Instant) -> Result<(), TraceError> {
+        self.life().adopt_announced(deadline)
+    }
+
+    fn adopt_stopped(&mut self, tid: Tid, child: process::Child) -> Result<(), TraceError> {
+        self.life().adopt_stopped(tid, child)
     }
 
     fn note_planted(&mut self, pid: Tid, planted: Vec<space::Planted>) {
@@ -459,38 +478,13 @@ impl Tracer {
         self.images().0.announce(pid, module, now);
     }
 
-    fn walk_faulted(&mut self, tid: Tid) -> Option<u64> {
-        self.family.walk_faulted(&mut self.target, tid)
-    }
-
-    fn step_over_patch(&mut self, tid: Tid) -> Result<(), TraceError> {
-        Ok(self.family.step_over_patch(&mut self.target, tid)?)
-    }
-
-    fn end_sharing(&mut self, pid: Tid) {
-        self.family.end_sharing(pid);
-    }
-
     fn pause_slots(&mut self, tid: Tid, paused: bool) {
         self.family.pause_slots(tid, paused);
-    }
-
-    fn settle_copy(&mut self, tid: Tid, readable: bool) {
-        self.book
-            .settle_copy(&mut self.family, &mut self.target, tid, readable);
     }
 
     fn settle_all(&mut self, readable: bool) {
         self.book
             .settle_all(&mut self.family, &mut self.target, readable);
-    }
-
-    fn copy_faulted(&mut self, tid: Tid) -> bool {
-        self.family.copy_faulted(&mut self.target, tid)
-    }
-
-    fn note_copy_fault(&mut self, tid: Tid) {
-        self.family.note_copy_fault(&mut self.stats, tid);
     }
 }
 
