@@ -221,6 +221,23 @@ pub fn thread_ending(pid: Tid, tid: Tid) -> bool {
         .is_some_and(|state| state.starts_with('Z') || state.starts_with('X'))
 }
 
+/// Thread `tid` of `pid` has signal `sig` pending (`SigPnd:`, the
+/// thread's own queue); false when its status cannot be read.
+pub fn signal_pending(pid: Tid, tid: Tid, sig: i32) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
+        return false;
+    };
+    let Some(bit) = u32::try_from(sig).ok().and_then(|s| s.checked_sub(1)) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigPnd:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .and_then(|mask| mask.checked_shr(bit))
+        .is_some_and(|mask| mask & 1 != 0)
+}
+
 /// The tracer of thread `tid` of `pid` (`TracerPid:`, 0 for none).
 pub fn thread_tracer(pid: Tid, tid: Tid) -> Option<Tid> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).ok()?;

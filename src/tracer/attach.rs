@@ -12,8 +12,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use super::life::Life;
 use super::pauses::PauseClock;
 use super::process::{Process, Role};
 use super::space::Space;
@@ -34,93 +35,111 @@ enum Resume {
     Listen,
 }
 
-impl Tracer {
-    /// Attach to the running process `pid` and hook it. On return every thread
-    /// runs again (or stays in the group-stop it was found in) and the wait
-    /// loop takes over. On error nothing of the process was changed and every
-    /// thread seized is detached.
-    pub fn attach(
-        opts: TraceOptions,
-        pipeline: PipelineHandle,
-        pid: Tid,
-        clock: Instant,
-        progress: Arc<Progress>,
-        heap_facts: crate::heap::Facts,
-    ) -> Result<Tracer, TraceError> {
-        let mut target = Live;
-        match target.tgid(pid) {
-            None => return Err(TraceError::NoSuchProcess(pid)),
-            Some(tgid) if tgid != pid => {
-                return Err(TraceError::NotAProcess {
-                    tid: pid,
-                    pid: tgid,
-                });
-            }
-            Some(_) => {}
+/// Attach to the running process `pid` and hook it (see
+/// [`Tracer::attach`]). On return every thread runs again (or stays in the
+/// group-stop it was found in) and the wait loop takes over. On error
+/// nothing of the process was changed and every thread seized is detached.
+pub(super) fn attach(
+    opts: TraceOptions,
+    pipeline: PipelineHandle,
+    pid: Tid,
+    clock: Instant,
+    progress: Arc<Progress>,
+    heap_facts: crate::heap::Facts,
+) -> Result<Tracer, TraceError> {
+    let mut target = Live;
+    match target.tgid(pid) {
+        None => return Err(TraceError::NoSuchProcess(pid)),
+        Some(tgid) if tgid != pid => {
+            return Err(TraceError::NotAProcess {
+                tid: pid,
+                pid: tgid,
+            });
         }
-        // Before a thread stops: the heap map at attach then finds its
-        // allocator's layout ready.
-        crate::heap::prepare_process(pid, &heap_facts);
-        // Memory to copy its heap into, faulted in while it runs: a fresh
-        // buffer's page faults were most of the copy's time.
-        let buffers = crate::heap::reserve_copy(pid, &heap_facts);
-        let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress, heap_facts);
-        tracer.control.attached = true;
-        // Its images too (and the jump probes' unwind tables of them).
-        let ahead = Ahead::read(pid, tracer.jumps());
-        tracer
-            .family
-            .processes
-            .insert(pid, Process::new(Role::Traced, None));
-        let seized = seize_all(&mut target, pid)?;
-        for &tid in &seized {
-            tracer.add_thread(tid, pid);
+        Some(_) => {}
+    }
+    // Before a thread stops: the heap map at attach then finds its
+    // allocator's layout ready.
+    crate::heap::prepare_process(pid, &heap_facts);
+    // Memory to copy its heap into, faulted in while it runs: a fresh
+    // buffer's page faults were most of the copy's time.
+    let buffers = crate::heap::reserve_copy(pid, &heap_facts);
+    let mut tracer = Tracer::blank(opts, pipeline, pid, clock, progress, heap_facts);
+    tracer.control.attached = true;
+    // Its images too (and the jump probes' unwind tables of them).
+    let ahead = Ahead::read(pid, tracer.jumps());
+    tracer
+        .family
+        .processes
+        .insert(pid, Process::new(Role::Traced, None));
+    let seized = seize_all(&mut target, pid)?;
+    for &tid in &seized {
+        tracer.add_thread(tid, pid);
+    }
+    match hook_stopped(&mut tracer, pid, &seized, buffers, ahead) {
+        Ok(()) => {
+            // `--duration` is the time traced: it starts now. (It also
+            // bounded the attach itself.)
+            tracer.control.deadline = tracer.opts.duration.map(|d| Instant::now() + d);
+            Ok(tracer)
         }
-        match tracer.hook_stopped(pid, &seized, buffers, ahead) {
-            Ok(()) => {
-                // `--duration` is the time traced: it starts now. (It also
-                // bounded the attach itself.)
-                tracer.control.deadline = tracer.opts.duration.map(|d| Instant::now() + d);
-                Ok(tracer)
+        Err(err) => {
+            // Let go of what was seized: the threads that stopped are
+            // detached (what was planted is put back first); those that
+            // never stopped are released by the kernel when memptrace
+            // exits (no thread of an attached process has EXITKILL).
+            if let Err(detach) = tracer.let_go_held() {
+                eprintln!("memptrace: warning: letting process {pid} go: {detach}");
             }
-            Err(err) => {
-                // Let go of what was seized: the threads that stopped are
-                // detached (what was planted is put back first); those that
-                // never stopped are released by the kernel when memptrace
-                // exits (no thread of an attached process has EXITKILL).
-                if let Err(detach) = tracer.let_go_held() {
-                    eprintln!("memptrace: warning: letting process {pid} go: {detach}");
-                }
-                Err(err)
-            }
+            Err(err)
         }
     }
+}
 
-    /// Stop every seized thread, hook the images, resume them.
-    fn hook_stopped(
-        &mut self,
-        pid: Tid,
-        seized: &[Tid],
-        buffers: crate::heap::Buffers,
-        ahead: Ahead,
-    ) -> Result<(), TraceError> {
-        let mut pause = PauseClock::start("attach");
-        let resume = self.stop_all(pid, seized)?;
-        pause.lap("stop");
-        // A stopped thread runs the injected mmap calls that map the
-        // trampoline pages: the leader if it can, a thread in group-stop last.
-        // A thread of the process itself (a vfork child born meanwhile shares
-        // its memory but not its file descriptors, and the memfd must be
-        // the process's), and not a vfork parent: it cannot run a call
-        // before its child execs or exits (see `inject::leave_system_call`).
-        // If the process's only thread is that vfork parent, its child,
-        // which runs in the same memory from a clean first stop, does it.
+/// Stop every seized thread, hook the images, copy the heap while they
+/// stand still, resume them; the copy is walked once they run.
+fn hook_stopped(
+    tracer: &mut Tracer,
+    pid: Tid,
+    seized: &[Tid],
+    buffers: crate::heap::Buffers,
+    ahead: Ahead,
+) -> Result<(), TraceError> {
+    let mut pause = PauseClock::start("attach");
+    let resume = tracer.life().stop_all(pid, seized, super::PATIENCE)?;
+    pause.lap("stop");
+    let worker = tracer.life().worker(pid, &resume)?;
+    let arrived = tracer.life().hook(pid, worker, ahead)?;
+    pause.lap("hook");
+    // Only the copy of the heap needs the program stopped: the walk of
+    // the copy and the inventory come once it runs again.
+    let heap = tracer.heaps.copy_heap(&tracer.book, pid, buffers);
+    pause.lap("heap_copy");
+    tracer.life().resume_all(pid, resume, worker, arrived)?;
+    pause.lap("resume");
+    let pause = pause.finish();
+    tracer
+        .heaps
+        .take_inventory(&mut tracer.book, &mut tracer.stats, heap, pause);
+    Ok(())
+}
+
+impl<T: Target> Life<'_, T> {
+    /// The stopped thread that runs the injected mmap calls that map the
+    /// trampoline pages: the leader if it can, a thread in group-stop last.
+    /// A thread of the process itself (a vfork child born meanwhile shares
+    /// its memory but not its file descriptors, and the memfd must be the
+    /// process's), and not a vfork parent: it cannot run a call before its
+    /// child execs or exits (see `inject::leave_system_call`). If the
+    /// process's only thread is that vfork parent, its child, which runs in
+    /// the same memory from a clean first stop, does it.
+    fn worker(&mut self, pid: Tid, resume: &HashMap<Tid, Resume>) -> Result<Tid, TraceError> {
         let vforking: HashSet<Tid> = [pid]
             .into_iter()
             .chain(resume.keys().copied())
             .filter(|&t| self.target.event_of(t) == Some(libc::PTRACE_EVENT_VFORK))
             .collect();
-        let family = &self.family;
+        let family = &*self.family;
         let free = |tid: &Tid| !vforking.contains(tid);
         let runs = |tid: &Tid| matches!(resume.get(tid), Some(Resume::Cont(_))) && free(tid);
         let ours = |tid: &Tid| family.pid_of(*tid) == Some(pid);
@@ -129,20 +148,25 @@ impl Tracer {
                 p.role == Role::Shares { parent: pid } && family.pid_of(*tid) == Some(*tid)
             })
         };
-        let worker = [pid]
+        [pid]
             .into_iter()
             .chain(resume.keys().copied())
             .find(|t| runs(t) && ours(t))
             .or_else(|| resume.keys().copied().find(|t| runs(t) && shares(t)))
             .or_else(|| resume.keys().copied().find(|t| ours(t) && free(t)))
-            .ok_or(TraceError::NoSuchProcess(pid))?;
-        let mut space = Space::new(pid, self.catch())?;
+            .ok_or(TraceError::NoSuchProcess(pid))
+    }
+
+    /// Hook process `pid`'s images, `worker` running the injected calls:
+    /// the signals it received meanwhile, to be delivered when it resumes.
+    fn hook(&mut self, pid: Tid, worker: Tid, ahead: Ahead) -> Result<Vec<i32>, TraceError> {
+        let catch = self.opts.catch(self.alive_ticks());
+        let mut space = Space::new(pid, catch)?;
         space.ahead = ahead;
         if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }
-        // Signals the worker received while running injected calls.
-        let mut arrived = self.refresh_images(pid, worker)?;
+        let arrived = self.images().refresh(pid, worker)?;
         if self.stats.hooked_functions == 0 {
             let refused = self.family.space_of(pid).and_then(|s| s.refused.clone());
             return Err(match refused {
@@ -155,21 +179,27 @@ impl Tracer {
                 None => TraceError::NoAllocator(pid),
             });
         }
-        pause.lap("hook");
-        // Only the copy of the heap needs the program stopped: the walk of
-        // the copy and the inventory come once it runs again.
-        let heap = self.heaps.copy_heap(&self.book, pid, buffers);
-        pause.lap("heap_copy");
-        // Slots now: an int3 stop for one is fatal if memptrace dies in it.
+        Ok(arrived)
+    }
+
+    /// Let every thread the attach stopped go on as it was (`resume`),
+    /// `worker` with the signals that `arrived` while it ran injected
+    /// calls. Each gets its slot first (an int3 stop for one is fatal if
+    /// memptrace dies in it), and a thread stopped inside the bytes a jump
+    /// now covers goes on in the probe's displaced copy of them.
+    fn resume_all(
+        &mut self,
+        pid: Tid,
+        resume: HashMap<Tid, Resume>,
+        worker: Tid,
+        mut arrived: Vec<i32>,
+    ) -> Result<(), TraceError> {
         let alive_ticks = self.alive_ticks();
         for &tid in resume.keys() {
-            self.family
-                .register_early(&mut self.target, tid, alive_ticks);
+            self.family.register_early(self.target, tid, alive_ticks);
         }
-        // A thread that stopped inside the bytes a jump now covers goes on
-        // in the probe's displaced copy of them.
         for &tid in resume.keys() {
-            self.step_over_patch(tid)?;
+            self.family.step_over_patch(self.target, tid)?;
         }
         for (tid, how) in resume {
             match how {
@@ -188,21 +218,23 @@ impl Tracer {
                         signals.append(&mut arrived);
                     }
                     self.control.held.remove(&tid);
-                    self.resume_with(tid, signals)?;
+                    self.family.resume_with(self.target, tid, &signals)?;
                 }
             }
         }
-        pause.lap("resume");
-        let pause = pause.finish();
-        self.heaps
-            .take_inventory(&mut self.book, &mut self.stats, heap, pause);
         Ok(())
     }
 
     /// PTRACE_INTERRUPT every thread and wait until each has reported a stop.
     /// Threads born meanwhile are adopted stopped. Returns how each stopped
-    /// thread must be resumed.
-    fn stop_all(&mut self, pid: Tid, seized: &[Tid]) -> Result<HashMap<Tid, Resume>, TraceError> {
+    /// thread must be resumed. Given up when no thread stopped for
+    /// `patience`, or memptrace is told to stop.
+    fn stop_all(
+        &mut self,
+        pid: Tid,
+        seized: &[Tid],
+        patience: Duration,
+    ) -> Result<HashMap<Tid, Resume>, TraceError> {
         let mut waiting: HashSet<Tid> = HashSet::new();
         for &tid in seized {
             if self.target.interrupt(tid).is_ok() {
@@ -222,12 +254,12 @@ impl Tracer {
                     continue;
                 }
                 Stopping::Nothing => {
-                    let reason = self.stop_requested().or_else(|| {
-                        (progress.elapsed() >= super::PATIENCE).then(|| {
+                    let reason = self.control.stop_requested(self.book).or_else(|| {
+                        (progress.elapsed() >= patience).then(|| {
                             format!(
                                 "threads {:?} did not stop within {} s",
                                 sorted(&waiting),
-                                super::PATIENCE.as_secs()
+                                patience.as_secs()
                             )
                         })
                     });
@@ -243,7 +275,7 @@ impl Tracer {
             match Stopped::of(stop) {
                 Stopped::Gone => {
                     resume.remove(&tid);
-                    self.life().thread_gone(tid, stop)?;
+                    self.thread_gone(tid, stop)?;
                     if tid == pid {
                         return Err(TraceError::NoSuchProcess(pid));
                     }
@@ -361,99 +393,5 @@ fn release(target: &mut impl Target, seized: &[Tid]) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tracer::target::fake::{Call, FakeTarget};
-
-    fn seized(fake: &FakeTarget) -> Vec<Tid> {
-        let calls = fake.calls.iter();
-        calls
-            .filter_map(|c| match c {
-                Call::Seize(t) => Some(*t),
-                _ => None,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn every_thread_is_seized_and_none_is_stopped() {
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[12, 10, 11]);
-        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11, 12]);
-        assert_eq!(seized(&fake), [10, 11, 12]);
-        assert!(fake.threads.values().all(|t| !t.stopped));
-        assert!(fake.pending.is_empty());
-    }
-
-    #[test]
-    fn a_dying_thread_is_passed_over_but_a_dying_leader_is_an_error() {
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[10, 11, 12]);
-        fake.ending.insert(12);
-        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11]);
-
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[10, 11]);
-        fake.ending.insert(10);
-        let err = seize_all(&mut fake, 10).unwrap_err();
-        assert!(matches!(err, TraceError::Denied { pid: 10, .. }), "{err}");
-    }
-
-    #[test]
-    fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() {
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[10, 11, 12]);
-        fake.foreign.insert(11, 4242);
-        fake.foreign.insert(10, 4242);
-        let err = seize_all(&mut fake, 10).unwrap_err();
-        // The leader is held already: nothing was seized, the tracer named.
-        assert!(
-            matches!(
-                err,
-                TraceError::Denied {
-                    pid: 10,
-                    tracer: Some(4242),
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        assert!(fake.threads.is_empty());
-
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[10, 11, 12]);
-        fake.foreign.insert(11, 4242);
-        let err = seize_all(&mut fake, 10).unwrap_err();
-        assert!(matches!(
-            err,
-            TraceError::Denied {
-                pid: 10,
-                tracer: None,
-                ..
-            }
-        ));
-        // 10 was seized before 11 refused: stopped, then detached, running.
-        assert_eq!(
-            fake.calls,
-            [Call::Seize(10), Call::Interrupt(10), Call::Detach(10, 0)]
-        );
-        assert!(fake.threads.is_empty());
-    }
-
-    #[test]
-    fn a_thread_memptrace_holds_already_is_not_seized_again() {
-        // Made by a thread seized a moment ago, it was attached with its
-        // birth (PTRACE_O_TRACECLONE).
-        let mut fake = FakeTarget::new();
-        fake.process(10, &[10, 11]);
-        fake.foreign.insert(11, std::process::id() as Tid);
-        assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
-    }
-
-    #[test]
-    fn no_such_process() {
-        let mut fake = FakeTarget::new();
-        let err = seize_all(&mut fake, 10).unwrap_err();
-        assert!(matches!(err, TraceError::NoSuchProcess(10)));
-    }
-}
+#[path = "attach_tests.rs"]
+mod tests;

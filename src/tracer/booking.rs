@@ -15,7 +15,7 @@ use super::merge::TscClock;
 use super::outbox::Outbox;
 use super::probes::jump::control::{Damaged, Record};
 use super::probes::jump::layout::{Called, record};
-use super::process::{Family, Thread};
+use super::process::{Family, PendingCall, Thread};
 
 use crate::event::Op;
 use crate::os::procfs;
@@ -97,6 +97,27 @@ impl Booking {
     /// call of the site, and every call that must (`always`).
     pub fn keeps_stack(&self, family: &mut Family, pid: Tid, ret: u64, always: bool) -> bool {
         self.stacks && (always || family.sampled(pid, ret, self.stack_every))
+    }
+
+    /// The facts of a call of thread `tid` of `pid`, stamped now.
+    pub fn facts(&self, pid: Tid, tid: Tid, args: [u64; 3], ret: u64, stored: u64) -> CallFacts {
+        CallFacts {
+            pid: pid as u32,
+            tid: tid as u32,
+            ts_ns: self.now_ns(),
+            args,
+            ret,
+            stored_ptr: stored,
+        }
+    }
+
+    /// Book now a call that returned `rax` (and, for posix_memalign,
+    /// `stored`) and send it: no heap walk holds calls back any more (a
+    /// detach's stops; see `Serve::record_return` for the wait loop's).
+    pub fn record_return(&mut self, pid: Tid, tid: Tid, call: PendingCall, rax: u64, stored: u64) {
+        let facts = self.facts(pid, tid, call.args, rax, stored);
+        let msg = self.completed(call.op, &facts, call.stack, call.module_id);
+        self.send(msg);
     }
 
     /// Book a finished call: its message for the pipeline.

@@ -35,7 +35,7 @@ use super::ledger::CallFacts;
 use super::probes::{HookKind, Probe};
 use super::process::{Family, PendingCall, PendingMap};
 use super::space::buffers::STACK_COPY;
-use super::target::{Live, Target};
+use super::target::Target;
 use super::{TraceError, TraceOptions, TraceStats};
 use crate::event::{MapOp, Op};
 use crate::os::ptrace::{Regs, Tid};
@@ -421,14 +421,7 @@ impl<T: Target> Serve<'_, T> {
         ret: u64,
         stored_ptr: u64,
     ) -> CallFacts {
-        CallFacts {
-            pid: pid as u32,
-            tid: tid as u32,
-            ts_ns: self.book.now_ns(),
-            args,
-            ret,
-            stored_ptr,
-        }
+        self.book.facts(pid, tid, args, ret, stored_ptr)
     }
 
     /// Book a finished call and send it down the pipeline.
@@ -564,11 +557,6 @@ pub(super) fn stored_block_in<T: Target>(
     } else {
         0
     }
-}
-
-/// [`stored_block_in`] a live process (for the detach's stops).
-pub(super) fn stored_block(pid: Tid, call: &PendingCall, rax: u64) -> u64 {
-    stored_block_in(&mut Live, pid, call, rax)
 }
 
 #[cfg(test)]

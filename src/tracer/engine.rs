@@ -6,10 +6,11 @@
 use std::io;
 use std::time::{Duration, Instant};
 
+use super::booking::Booking;
 use super::detach::Detached;
 use super::stop::Stopped;
 use super::target::Target;
-use super::{Ending, TraceError, TraceStats, Tracer, failure, signal_name};
+use super::{Control, Ending, TraceError, TraceStats, Tracer, failure, signal_name};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::signals;
 use crate::unwind::pipeline::PipelineHandle;
@@ -61,7 +62,7 @@ impl Tracer {
 
     fn wait_loop(&mut self) -> Result<Ending, TraceError> {
         loop {
-            if let Some(reason) = self.stop_requested() {
+            if let Some(reason) = self.control.stop_requested(&self.book) {
                 self.detach_all()?;
                 return Ok(Ending::Detached { reason });
             }
@@ -125,26 +126,6 @@ impl Tracer {
             return self.stops.poll_once(&mut self.target);
         }
         Ok(None)
-    }
-
-    /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
-    /// for a launched program (the first reaches the program, in the same
-    /// process group, which decides), the first one when attached. So do
-    /// the end of `--duration` and a database that cannot grow.
-    pub(super) fn stop_requested(&self) -> Option<String> {
-        if let Some(reason) = self.book.progress.halt.get() {
-            return Some(reason.clone());
-        }
-        if let Some(sig) = signals::terminate_signal() {
-            return Some(format!("memptrace received {}", signal_name(sig)));
-        }
-        match signals::interrupts() {
-            1 if self.control.attached => return Some("interrupted (Ctrl-C)".to_string()),
-            n if n >= 2 => return Some("interrupted (Ctrl-C twice)".to_string()),
-            _ => {}
-        }
-        let deadline = self.control.deadline?;
-        (Instant::now() >= deadline).then(|| "the --duration elapsed".to_string())
     }
 
     fn ticked(&mut self) -> bool {
@@ -281,5 +262,27 @@ impl Tracer {
                 Ok(())
             }
         }
+    }
+}
+
+impl Control {
+    /// SIGTERM or SIGHUP ends the trace, and so does Ctrl-C: the second one
+    /// for a launched program (the first reaches the program, in the same
+    /// process group, which decides), the first one when attached. So do
+    /// the end of `--duration` and a database that cannot grow.
+    pub(super) fn stop_requested(&self, book: &Booking) -> Option<String> {
+        if let Some(reason) = book.progress.halt.get() {
+            return Some(reason.clone());
+        }
+        if let Some(sig) = signals::terminate_signal() {
+            return Some(format!("memptrace received {}", signal_name(sig)));
+        }
+        match signals::interrupts() {
+            1 if self.attached => return Some("interrupted (Ctrl-C)".to_string()),
+            n if n >= 2 => return Some("interrupted (Ctrl-C twice)".to_string()),
+            _ => {}
+        }
+        let deadline = self.deadline?;
+        (Instant::now() >= deadline).then(|| "the --duration elapsed".to_string())
     }
 }

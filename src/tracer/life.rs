@@ -7,19 +7,14 @@
 //! how the trace is going (`Control`), and the target. It leaves out the
 //! heap maps, which are read once the threads are let go.
 
-use std::collections::HashMap;
-use std::time::Instant;
-
 use super::booking::Booking;
+use super::failopen;
 use super::images::Images;
-use super::ledger::CallFacts;
-use super::process::{Child, Family, Process, Role};
-use super::stop::Stopped;
-use super::stopping::{Stopping, Trap};
+use super::process::Family;
 use super::stops::Stops;
 use super::target::Target;
 use super::{Control, Ending, TraceError, TraceOptions, TraceStats};
-use crate::os::ptrace::{self, Stop, Tid};
+use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::TraceMsg;
 
 /// The parts a lifecycle step concerns, borrowed for one step.
@@ -42,6 +37,12 @@ impl<T: Target> Life<'_, T> {
             book: self.book,
             stats: self.stats,
         }
+    }
+
+    /// The age of a heartbeat at which the probes count memptrace as gone
+    /// (see [`super::failopen`]).
+    pub fn alive_ticks(&self) -> u64 {
+        failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
     }
 
     /// Thread `tid` is gone (`stop`: how it ended). When it is a process's
@@ -99,152 +100,4 @@ impl<T: Target> Life<'_, T> {
         }
         Ok(())
     }
-}
-
-// forwards (coordinator removes): stopping.rs's steps on this view, until
-// they move here from the tracer's methods; the same bodies, with a returning
-// call booked at once (no heap walk runs while stopping to detach).
-impl<T: Target> Life<'_, T> {
-    pub fn settle_stopping(
-        &mut self,
-        tid: Tid,
-        stop: Stop,
-        deliver: &mut HashMap<Tid, i32>,
-    ) -> Result<bool, TraceError> {
-        match Stopped::of(stop) {
-            Stopped::Gone => self.thread_gone(tid, stop)?,
-            Stopped::Trap if self.family.step_ended(self.target, tid) => {}
-            Stopped::Trap if self.settle_trap(tid)? => {}
-            Stopped::Fault(_) if self.family.walk_faulted(self.target, tid).is_some() => {
-                let to = self
-                    .family
-                    .walk_faulted(self.target, tid)
-                    .unwrap_or_default();
-                if let Ok(mut regs) = self.target.regs(tid) {
-                    regs.rip = to;
-                    let _ = self.target.set_regs(tid, &regs);
-                }
-                self.stats.walk_faults += 1;
-            }
-            Stopped::Fault(_) if self.family.copy_faulted(self.target, tid) => {
-                self.family.note_copy_fault(self.stats, tid);
-            }
-            Stopped::Trap => {
-                deliver.insert(tid, libc::SIGTRAP);
-            }
-            Stopped::Fault(sig) | Stopped::Signal(sig) => {
-                deliver.insert(tid, sig);
-            }
-            Stopped::Birth(event) => self.announce_child(tid, event, true)?,
-            Stopped::Exec => {
-                let pid = self.family.pid_of(tid).unwrap_or(tid);
-                if self.family.is_traced(pid) {
-                    if let Some(space) = self.family.space_of_mut(tid) {
-                        space.hooks.clear();
-                    }
-                } else {
-                    self.family.end_sharing(pid);
-                }
-            }
-            Stopped::Exiting => {}
-            Stopped::GroupStop(_) | Stopped::Interrupt => {
-                let pid = self.family.pid_of(tid).unwrap_or(tid);
-                if self.family.at_int3(self.target, tid) && sigtrap_pending(pid, tid) {
-                    self.target.cont(tid, 0)?;
-                    return Ok(false);
-                }
-            }
-        }
-        Ok(true)
-    }
-
-    pub fn adopt_announced(&mut self, deadline: Instant) -> Result<(), TraceError> {
-        while !self.family.announced.is_empty() && Instant::now() < deadline {
-            match self.next_stop_while_stopping()? {
-                Stopping::NoneLeft => break,
-                Stopping::Known(tid, stop) => {
-                    self.target.keep_for_later(tid, stop);
-                    break;
-                }
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
-    pub fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
-        let (tid, stop) = match self.stops.wait(self.target) {
-            Ok(Some(found)) => found,
-            Ok(None) => return Ok(Stopping::Nothing),
-            Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),
-            Err(err) => return Err(err.into()),
-        };
-        if self.family.threads.contains_key(&tid) {
-            return Ok(Stopping::Known(tid, stop));
-        }
-        if let Some(child) = self.family.announced.remove(&tid) {
-            self.adopt_stopped(tid, child)?;
-            if self.family.threads.contains_key(&tid) {
-                return Ok(Stopping::Adopted(tid));
-            }
-        } else if Stopped::of(stop) != Stopped::Gone {
-            self.family.early.insert(tid, stop);
-        }
-        Ok(Stopping::Nothing)
-    }
-
-    fn settle_trap(&mut self, tid: Tid) -> Result<bool, TraceError> {
-        let (rsp, rax) = match self.family.rewind_trap(self.target, tid)? {
-            Trap::Returned { rsp, rax } => (rsp, rax),
-            Trap::Rewound => return Ok(true),
-            Trap::Foreign => return Ok(false),
-        };
-        let pid = self.family.pid_of(tid).unwrap_or(tid);
-        self.book.settle_copy(self.family, self.target, tid, true);
-        if let Some(call) = self.family.returning_call(self.stats, tid, rsp) {
-            let facts = CallFacts {
-                pid: pid as u32,
-                tid: tid as u32,
-                ts_ns: self.book.now_ns(),
-                args: call.args,
-                ret: rax,
-                stored_ptr: super::calls::stored_block_in(self.target, pid, &call, rax),
-            };
-            let msg = self
-                .book
-                .completed(call.op, &facts, call.stack, call.module_id);
-            self.book.send(msg);
-        } else if let Some(map) = self.family.returning_map(tid, rsp) {
-            self.book.record_map(pid, tid, map, rax);
-        }
-        Ok(true)
-    }
-
-    pub fn adopt_stopped(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
-        match child {
-            Child::Thread { pid } => {
-                self.book.add_thread(self.family, tid, pid);
-                Ok(())
-            }
-            Child::Shared { parent, by } => {
-                let mut process = Process::new(Role::Shares { parent }, None);
-                process.paused = Some(by);
-                self.family.processes.insert(tid, process);
-                self.book.add_thread(self.family, tid, tid);
-                Ok(())
-            }
-            fork => self.adopt(tid, fork, Stop::EventStop(libc::SIGTRAP)),
-        }
-    }
-}
-
-fn sigtrap_pending(pid: Tid, tid: Tid) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
-        return false;
-    };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("SigPnd:"))
-        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
-        .is_some_and(|mask| mask & (1 << (libc::SIGTRAP - 1)) != 0)
 }

@@ -3,7 +3,10 @@
 //! target and booked.
 
 use super::*;
+use crate::os::ptrace::Stop;
 use crate::queue::Receiver;
+use crate::tracer::probes::int3;
+use crate::tracer::probes::{HookKind, Probe};
 use crate::tracer::process::Thread;
 use crate::tracer::space::fake::{FakeSpace, PID};
 use crate::tracer::target::Target;
@@ -60,6 +63,21 @@ impl Rig {
             control: &mut self.control,
             target: &mut self.target,
         }
+    }
+
+    /// An allocator's entry, hooked by an int3, and the return int3 of its
+    /// slot's call stub.
+    pub fn allocator_probe(&self) -> (u64, u64) {
+        let space = self.family.space_of(PID).expect("the rig's process");
+        let (entry, stub) = space
+            .hooks
+            .iter()
+            .find_map(|h| match (&h.kind, &h.probe) {
+                (HookKind::Allocator { .. }, Probe::Int3 { stub, .. }) => Some((h.addr, *stub)),
+                _ => None,
+            })
+            .expect("an allocator hooked");
+        (entry, stub + int3::stub().return_int3)
     }
 
     /// Every message sent down the pipeline so far.

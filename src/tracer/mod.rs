@@ -47,9 +47,6 @@ mod rings;
 mod running;
 mod space;
 mod stop;
-// forwards (coordinator removes): stopping.rs's steps the detach used run
-// on the `Life` view now (life.rs), until the move of stopping.rs lands.
-#[allow(dead_code)]
 mod stopping;
 mod stops;
 mod target;
@@ -60,7 +57,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::heap;
-use crate::os::ptrace::{Stop, Tid};
+use crate::os::ptrace::Tid;
 use crate::os::{procfs, signals};
 use crate::progress::Progress;
 use crate::sink::SinkError;
@@ -129,6 +126,30 @@ impl TraceOptions {
             stack_every: 1,
             follow_forks: false,
             duration: None,
+        }
+    }
+}
+
+impl TraceOptions {
+    /// How the allocator functions of a new address space are caught: jump
+    /// probes unless int3 probes are asked for (or libunwind, which walks a
+    /// stopped thread's stack, unwinds); `alive_ticks`: see [`failopen`].
+    fn catch(&self, alive_ticks: u64) -> Catch {
+        let libunwind = self.stacks && self.unwinder == UnwinderKind::Libunwind;
+        if self.probes == ProbeMode::Jump && !libunwind {
+            let max_frames = if self.stacks {
+                self.max_depth as u64
+            } else {
+                1
+            };
+            Catch::Jump {
+                max_frames,
+                alive_ticks,
+            }
+        } else {
+            Catch::Int3 {
+                buffers: copies::wanted(self),
+            }
         }
     }
 }
@@ -309,6 +330,20 @@ impl Tracer {
         Ok(tracer)
     }
 
+    /// Attach to the running process `pid` and hook it. On return every
+    /// thread runs again (or stays in the group-stop it was found in); on
+    /// error nothing of the process was changed (see `attach.rs`).
+    pub fn attach(
+        opts: TraceOptions,
+        pipeline: PipelineHandle,
+        pid: Tid,
+        clock: Instant,
+        progress: Arc<Progress>,
+        heap_facts: heap::Facts,
+    ) -> Result<Tracer, TraceError> {
+        attach::attach(opts, pipeline, pid, clock, progress, heap_facts)
+    }
+
     /// A tracer that traces nothing yet.
     fn blank(
         opts: TraceOptions,
@@ -338,26 +373,9 @@ impl Tracer {
         &self.stats
     }
 
-    /// How the allocator functions of a new address space are caught: jump
-    /// probes unless int3 probes are asked for (or libunwind, which walks a
-    /// stopped thread's stack, unwinds).
+    /// How the allocator functions of a new address space are caught.
     fn catch(&self) -> Catch {
-        let libunwind = self.opts.stacks && self.opts.unwinder == UnwinderKind::Libunwind;
-        if self.opts.probes == ProbeMode::Jump && !libunwind {
-            let max_frames = if self.opts.stacks {
-                self.opts.max_depth as u64
-            } else {
-                1
-            };
-            Catch::Jump {
-                max_frames,
-                alive_ticks: self.alive_ticks(),
-            }
-        } else {
-            Catch::Int3 {
-                buffers: copies::wanted(&self.opts),
-            }
-        }
+        self.opts.catch(self.alive_ticks())
     }
 
     /// The age of a heartbeat at which the probes count memptrace as gone
@@ -395,10 +413,6 @@ impl Tracer {
         Ok(self.family.resume(&mut self.target, tid, sig)?)
     }
 
-    fn resume_with(&mut self, tid: Tid, signals: Vec<i32>) -> Result<(), TraceError> {
-        Ok(self.family.resume_with(&mut self.target, tid, &signals)?)
-    }
-
     /// The parts images concern (see [`images`]), and the target.
     fn images(&mut self) -> (Images<'_>, &mut Live) {
         let images = Images {
@@ -433,61 +447,6 @@ impl Tracer {
             stats: &mut self.stats,
             target: &mut self.target,
         }
-    }
-
-    /// Forwards for attach.rs and stopping.rs (see [`children`]).
-    fn announce_child(&mut self, tid: Tid, event: i32, stopped: bool) -> Result<(), TraceError> {
-        self.life().announce_child(tid, event, stopped)
-    }
-
-    fn adopt(&mut self, tid: Tid, child: process::Child, first: Stop) -> Result<(), TraceError> {
-        self.life().adopt(tid, child, first)
-    }
-
-    /// Forwards for the lifecycle's files (see [`calls`], [`copies`],
-    /// [`images`], [`jumps`]).
-    fn returning_call(&mut self, tid: Tid, rsp: u64) -> Option<process::PendingCall> {
-        self.family.returning_call(&mut self.stats, tid, rsp)
-    }
-
-    fn record_return(
-        &mut self,
-        pid: Tid,
-        tid: Tid,
-        call: process::PendingCall,
-        rax: u64,
-        stored: u64,
-    ) {
-        self.serve().record_return(pid, tid, call, rax, stored);
-    }
-
-    fn refresh_images(&mut self, pid: Tid, tid: Tid) -> Result<Vec<i32>, TraceError> {
-        self.images().0.refresh(pid, tid)
-    }
-
-    fn walk_faulted(&mut self, tid: Tid) -> Option<u64> {
-        self.family.walk_faulted(&mut self.target, tid)
-    }
-
-    fn step_over_patch(&mut self, tid: Tid) -> Result<(), TraceError> {
-        Ok(self.family.step_over_patch(&mut self.target, tid)?)
-    }
-
-    fn end_sharing(&mut self, pid: Tid) {
-        self.family.end_sharing(pid);
-    }
-
-    fn settle_copy(&mut self, tid: Tid, readable: bool) {
-        self.book
-            .settle_copy(&mut self.family, &mut self.target, tid, readable);
-    }
-
-    fn copy_faulted(&mut self, tid: Tid) -> bool {
-        self.family.copy_faulted(&mut self.target, tid)
-    }
-
-    fn note_copy_fault(&mut self, tid: Tid) {
-        self.family.note_copy_fault(&mut self.stats, tid);
     }
 }
 

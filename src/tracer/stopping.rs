@@ -5,13 +5,15 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use super::TraceError;
+use super::calls::stored_block_in;
+use super::life::Life;
 use super::process::{Child, Family, Process, Role};
 use super::stop::Stopped;
 use super::target::Target;
-use super::{TraceError, Tracer};
 use crate::os::ptrace::{self, Stop, Tid};
 
-/// What [`Tracer::next_stop_while_stopping`] found.
+/// What [`Life::next_stop_while_stopping`] found.
 pub(super) enum Stopping {
     /// A stop of a thread already known.
     Known(Tid, Stop),
@@ -80,50 +82,41 @@ impl Family {
     }
 }
 
-/// True when the thread has a SIGTRAP pending (`SigPnd` of its status file).
-fn sigtrap_pending(pid: Tid, tid: Tid) -> bool {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")) else {
-        return false;
-    };
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("SigPnd:"))
-        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
-        .is_some_and(|mask| mask & (1 << (libc::SIGTRAP - 1)) != 0)
-}
-
-impl Tracer {
+impl<T: Target> Life<'_, T> {
     /// While detaching, a stop of the known thread `tid`: settle it (a trap
     /// of ours completed or rewound, a signal kept for `deliver`, a child
     /// announced). True when the thread is stopped for good, to be
     /// detached; false when it was resumed to report a queued trap.
-    pub(super) fn settle_stopping(
+    pub fn settle_stopping(
         &mut self,
         tid: Tid,
         stop: Stop,
         deliver: &mut HashMap<Tid, i32>,
     ) -> Result<bool, TraceError> {
         match Stopped::of(stop) {
-            Stopped::Gone => self.life().thread_gone(tid, stop)?,
+            Stopped::Gone => self.thread_gone(tid, stop)?,
             // The end of a step into a signal handler: the thread is at
             // its first instruction, and is detached there.
-            Stopped::Trap if self.family.step_ended(&mut self.target, tid) => {}
+            Stopped::Trap if self.family.step_ended(self.target, tid) => {}
             Stopped::Trap if self.settle_trap(tid)? => {}
-            Stopped::Fault(_) if self.walk_faulted(tid).is_some() => {
+            Stopped::Fault(_) if self.family.walk_faulted(self.target, tid).is_some() => {
                 // A probe's stack walk faulted: the thread leaves the probe
                 // with the others; the program never sees it.
-                let to = self.walk_faulted(tid).unwrap_or_default();
+                let to = self
+                    .family
+                    .walk_faulted(self.target, tid)
+                    .unwrap_or_default();
                 if let Ok(mut regs) = self.target.regs(tid) {
                     regs.rip = to;
                     let _ = self.target.set_regs(tid, &regs);
                 }
                 self.stats.walk_faults += 1;
             }
-            Stopped::Fault(_) if self.copy_faulted(tid) => {
+            Stopped::Fault(_) if self.family.copy_faulted(self.target, tid) => {
                 // The copy routine's own fault: the copy is read with the
                 // others, the thread leaves the routine with the others, and
                 // the program never sees the signal.
-                self.note_copy_fault(tid);
+                self.family.note_copy_fault(self.stats, tid);
             }
             Stopped::Trap => {
                 deliver.insert(tid, libc::SIGTRAP);
@@ -142,13 +135,15 @@ impl Tracer {
                         space.hooks.clear();
                     }
                 } else {
-                    self.end_sharing(pid);
+                    self.family.end_sharing(pid);
                 }
             }
             Stopped::Exiting => {}
             Stopped::GroupStop(_) | Stopped::Interrupt => {
                 let pid = self.family.pid_of(tid).unwrap_or(tid);
-                if self.family.at_int3(&mut self.target, tid) && sigtrap_pending(pid, tid) {
+                if self.family.at_int3(self.target, tid)
+                    && self.target.signal_pending(pid, tid, libc::SIGTRAP)
+                {
                     // Let the queued trap be reported, then settle it.
                     self.target.cont(tid, 0)?;
                     return Ok(false);
@@ -160,7 +155,7 @@ impl Tracer {
 
     /// Adopt, until `deadline`, the children announced while stopping
     /// (their first stop may not have come yet).
-    pub(super) fn adopt_announced(&mut self, deadline: Instant) -> Result<(), TraceError> {
+    pub fn adopt_announced(&mut self, deadline: Instant) -> Result<(), TraceError> {
         while !self.family.announced.is_empty() && Instant::now() < deadline {
             match self.next_stop_while_stopping()? {
                 Stopping::NoneLeft => break,
@@ -179,8 +174,8 @@ impl Tracer {
     /// known thread. A thread born meanwhile is adopted without being
     /// resumed (a forked child is cleaned and released); the first stop of
     /// one whose birth is not announced yet is kept for when it is.
-    pub(super) fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
-        let (tid, stop) = match self.stops.wait(&mut self.target) {
+    pub fn next_stop_while_stopping(&mut self) -> Result<Stopping, TraceError> {
+        let (tid, stop) = match self.stops.wait(self.target) {
             Ok(Some(found)) => found,
             Ok(None) => return Ok(Stopping::Nothing),
             Err(err) if ptrace::no_children(&err) => return Ok(Stopping::NoneLeft),
@@ -204,7 +199,7 @@ impl Tracer {
     /// complete a return (recording it) or rewind an entry so the original
     /// instruction runs once the byte is back. False for a foreign SIGTRAP.
     fn settle_trap(&mut self, tid: Tid) -> Result<bool, TraceError> {
-        let (rsp, rax) = match self.family.rewind_trap(&mut self.target, tid)? {
+        let (rsp, rax) = match self.family.rewind_trap(self.target, tid)? {
             Trap::Returned { rsp, rax } => (rsp, rax),
             Trap::Rewound => return Ok(true),
             Trap::Foreign => return Ok(false),
@@ -212,29 +207,30 @@ impl Tracer {
         // A call came back through its stub: record it; the thread goes on
         // past the int3 to the caller.
         let pid = self.family.pid_of(tid).unwrap_or(tid);
-        self.settle_copy(tid, true);
-        if let Some(call) = self.returning_call(tid, rsp) {
-            let stored = super::calls::stored_block(pid, &call, rax);
-            self.record_return(pid, tid, call, rax, stored);
+        self.book.settle_copy(self.family, self.target, tid, true);
+        if let Some(call) = self.family.returning_call(self.stats, tid, rsp) {
+            let stored = stored_block_in(self.target, pid, &call, rax);
+            self.book.record_return(pid, tid, call, rax, stored);
         } else if let Some(map) = self.family.returning_map(tid, rsp) {
             self.book.record_map(pid, tid, map, rax);
         }
         Ok(true)
     }
 
-    /// Adopt a new child during detach: threads stay stopped (to be detached
-    /// with the rest), forked children are cleaned and released now.
-    pub(super) fn adopt_stopped(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
+    /// Adopt a new child while stopping: threads stay stopped (to be
+    /// detached, or resumed by the attach, with the rest), forked children
+    /// are cleaned and released now.
+    pub fn adopt_stopped(&mut self, tid: Tid, child: Child) -> Result<(), TraceError> {
         match child {
             Child::Thread { pid } => {
-                self.add_thread(tid, pid);
+                self.book.add_thread(self.family, tid, pid);
                 Ok(())
             }
             Child::Shared { parent, by } => {
                 let mut process = Process::new(Role::Shares { parent }, None);
                 process.paused = Some(by);
                 self.family.processes.insert(tid, process);
-                self.add_thread(tid, tid);
+                self.book.add_thread(self.family, tid, tid);
                 Ok(())
             }
             fork => self.adopt(tid, fork, Stop::EventStop(libc::SIGTRAP)),
@@ -243,93 +239,5 @@ impl Tracer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tracer::probes::int3;
-    use crate::tracer::probes::{HookKind, Probe};
-    use crate::tracer::space::fake::{FakeSpace, PID};
-    use crate::tracer::target::fake::{Call, FakeTarget};
-
-    /// The C library hooked with int3 probes, in a family of one process
-    /// [`PID`] whose thread `PID + 1` runs too; an allocator's entry and the
-    /// return int3 of its stub.
-    fn hooked() -> (Family, u64, u64) {
-        let mut fake = FakeSpace::libc(true);
-        fake.hook();
-        let (entry, stub) = fake
-            .space
-            .hooks
-            .iter()
-            .find_map(|h| match (&h.kind, &h.probe) {
-                (HookKind::Allocator { .. }, Probe::Int3 { stub, .. }) => Some((h.addr, *stub)),
-                _ => None,
-            })
-            .expect("an allocator hooked");
-        let family = Family::of_one(PID, fake.space, &[PID, PID + 1]);
-        (family, entry, stub + int3::stub().return_int3)
-    }
-
-    #[test]
-    fn a_thread_past_an_entry_int3_is_rewound_to_the_entry() {
-        let (family, entry, _) = hooked();
-        let mut target = FakeTarget::new();
-        target.stopped_at(PID + 1, entry + 1, 0x7000);
-        assert!(family.at_int3(&mut target, PID + 1));
-        let trap = family.rewind_trap(&mut target, PID + 1).unwrap();
-        assert!(matches!(trap, Trap::Rewound));
-        assert_eq!(target.threads[&(PID + 1)].regs.rip, entry);
-        assert_eq!(target.calls, vec![Call::SetRegs(PID + 1)]);
-    }
-
-    #[test]
-    fn a_return_through_a_stub_is_left_where_it_is_to_be_recorded() {
-        let (family, _, ret) = hooked();
-        let mut target = FakeTarget::new();
-        target.stopped_at(PID, ret + 1, 0x7000);
-        assert!(family.at_int3(&mut target, PID));
-        let mut regs = target.threads[&PID].regs;
-        regs.rax = 0x5000;
-        target.set_regs(PID, &regs).unwrap();
-        target.calls.clear();
-        let trap = family.rewind_trap(&mut target, PID).unwrap();
-        assert!(matches!(
-            trap,
-            Trap::Returned {
-                rsp: 0x7000,
-                rax: 0x5000
-            }
-        ));
-        assert_eq!(target.threads[&PID].regs.rip, ret + 1);
-        assert!(target.calls.is_empty(), "the thread goes on to its caller");
-    }
-
-    #[test]
-    fn a_sigtrap_elsewhere_is_the_programs_own() {
-        let (family, entry, _) = hooked();
-        let mut target = FakeTarget::new();
-        // Just past the entry's int3 is the program's code again.
-        target.stopped_at(PID, entry + 2, 0x7000);
-        // A thread of no traced process.
-        target.stopped_at(99, entry + 1, 0x7000);
-        for tid in [PID, 99] {
-            assert!(!family.at_int3(&mut target, tid));
-            assert!(matches!(
-                family.rewind_trap(&mut target, tid).unwrap(),
-                Trap::Foreign
-            ));
-        }
-        assert!(target.calls.is_empty());
-    }
-
-    #[test]
-    fn a_thread_gone_meanwhile_has_nothing_to_settle() {
-        let (family, _, _) = hooked();
-        let mut target = FakeTarget::new();
-        assert!(!family.at_int3(&mut target, PID));
-        assert!(matches!(
-            family.rewind_trap(&mut target, PID).unwrap(),
-            Trap::Rewound
-        ));
-        assert!(target.calls.is_empty());
-    }
-}
+#[path = "stopping_tests.rs"]
+mod tests;

@@ -134,6 +134,12 @@ pub struct FakeTarget {
     pub ending: HashSet<Tid>,
     /// The ptrace event each stopped thread is at, and its message.
     pub events: HashMap<Tid, (i32, u64)>,
+    /// Signals queued for a thread and not reported yet (`SigPnd`).
+    pub queued: HashSet<(Tid, i32)>,
+    /// A wait with nothing to report is woken by memptrace's tick
+    /// (`Ok(None)`), as while a traced thread runs on without stopping,
+    /// instead of failing with ECHILD (no traced thread left).
+    pub ticking: bool,
 }
 
 impl FakeTarget {
@@ -326,6 +332,7 @@ impl Target for FakeTarget {
         // when no traced thread is left.
         match self.pending.pop_front() {
             Some((tid, stop)) => Ok(Some(self.taken(tid, stop))),
+            None if self.ticking => Ok(None),
             None => Err(io::Error::from_raw_os_error(libc::ECHILD)),
         }
     }
@@ -380,5 +387,9 @@ impl Target for FakeTarget {
 
     fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
         self.thread_tracer(pid, pid)
+    }
+
+    fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool {
+        self.tgid(tid) == Some(pid) && self.queued.contains(&(tid, sig))
     }
 }

@@ -124,6 +124,9 @@ pub trait Target {
     fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid>;
     /// The tracer of process `pid` (0 for none).
     fn tracer_pid(&mut self, pid: Tid) -> Option<Tid>;
+    /// Thread `tid` of `pid` has signal `sig` queued, not reported yet
+    /// (`SigPnd`: a trap an int3 raised behind a PTRACE_INTERRUPT stop).
+    fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool;
 }
 
 /// The real target: every call is the `os` call it names.
@@ -243,5 +246,9 @@ impl Target for Live {
 
     fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
         procfs::tracer_pid(pid)
+    }
+
+    fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool {
+        procfs::signal_pending(pid, tid, sig)
     }
 }

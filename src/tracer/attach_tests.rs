@@ -1,0 +1,363 @@
+//! Attaching on a fake target: seizing every thread, stopping them all,
+//! the thread that runs the injected calls, and letting each go as it was.
+
+use super::*;
+use crate::os::ptrace::Stop;
+use crate::tracer::PATIENCE;
+use crate::tracer::life_tests::Rig;
+use crate::tracer::process::Thread;
+use crate::tracer::space::fake::PID;
+use crate::tracer::target::fake::{Call, FakeTarget};
+
+fn seized(fake: &FakeTarget) -> Vec<Tid> {
+    let calls = fake.calls.iter();
+    calls
+        .filter_map(|c| match c {
+            Call::Seize(t) => Some(*t),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_thread_is_seized_and_none_is_stopped() {
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[12, 10, 11]);
+    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11, 12]);
+    assert_eq!(seized(&fake), [10, 11, 12]);
+    assert!(fake.threads.values().all(|t| !t.stopped));
+    assert!(fake.pending.is_empty());
+}
+
+#[test]
+fn a_dying_thread_is_passed_over_but_a_dying_leader_is_an_error() {
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11, 12]);
+    fake.ending.insert(12);
+    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11]);
+
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11]);
+    fake.ending.insert(10);
+    let err = seize_all(&mut fake, 10).unwrap_err();
+    assert!(matches!(err, TraceError::Denied { pid: 10, .. }), "{err}");
+}
+
+#[test]
+fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() {
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11, 12]);
+    fake.foreign.insert(11, 4242);
+    fake.foreign.insert(10, 4242);
+    let err = seize_all(&mut fake, 10).unwrap_err();
+    // The leader is held already: nothing was seized, the tracer named.
+    assert!(
+        matches!(
+            err,
+            TraceError::Denied {
+                pid: 10,
+                tracer: Some(4242),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(fake.threads.is_empty());
+
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11, 12]);
+    fake.foreign.insert(11, 4242);
+    let err = seize_all(&mut fake, 10).unwrap_err();
+    assert!(matches!(
+        err,
+        TraceError::Denied {
+            pid: 10,
+            tracer: None,
+            ..
+        }
+    ));
+    // 10 was seized before 11 refused: stopped, then detached, running.
+    assert_eq!(
+        fake.calls,
+        [Call::Seize(10), Call::Interrupt(10), Call::Detach(10, 0)]
+    );
+    assert!(fake.threads.is_empty());
+}
+
+#[test]
+fn a_thread_memptrace_holds_already_is_not_seized_again() {
+    // Made by a thread seized a moment ago, it was attached with its
+    // birth (PTRACE_O_TRACECLONE).
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11]);
+    fake.foreign.insert(11, std::process::id() as Tid);
+    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+}
+
+#[test]
+fn no_such_process() {
+    let mut fake = FakeTarget::new();
+    let err = seize_all(&mut fake, 10).unwrap_err();
+    assert!(matches!(err, TraceError::NoSuchProcess(10)));
+}
+
+/// Thread `tid` of the rig stands stopped, its stop `stop` about to be
+/// reported (a signal, a group-stop: the interrupt comes after it).
+fn stops_with(rig: &mut Rig, tid: Tid, stop: Stop) {
+    rig.target.threads.get_mut(&tid).expect("seized").stopped = true;
+    rig.target.report(tid, stop);
+}
+
+/// Stop threads `seized` of the rig, as an attach does.
+fn stop_all(
+    rig: &mut Rig,
+    seized: &[Tid],
+    patience: Duration,
+) -> Result<HashMap<Tid, Resume>, TraceError> {
+    rig.life().stop_all(PID, seized, patience)
+}
+
+fn interrupted(rig: &Rig) -> Vec<Tid> {
+    let calls = rig.target.calls.iter();
+    let mut tids: Vec<Tid> = calls
+        .filter_map(|c| match c {
+            Call::Interrupt(t) => Some(*t),
+            _ => None,
+        })
+        .collect();
+    tids.sort_unstable();
+    tids
+}
+
+#[test]
+fn every_thread_is_interrupted_and_held_until_resumed() {
+    let mut rig = Rig::new(&[PID, PID + 1, PID + 2]);
+    let resume = stop_all(&mut rig, &[PID, PID + 1, PID + 2], PATIENCE).unwrap();
+    assert_eq!(interrupted(&rig), [PID, PID + 1, PID + 2]);
+    assert_eq!(rig.target.calls.len(), 3, "interrupts only");
+    let all = |r: Resume| HashMap::from([(PID, r), (PID + 1, r), (PID + 2, r)]);
+    assert_eq!(resume, all(Resume::Cont(0)));
+    assert_eq!(
+        rig.control.held,
+        HashMap::from([(PID, 0), (PID + 1, 0), (PID + 2, 0)])
+    );
+    assert!(rig.target.threads.values().all(|t| t.stopped));
+}
+
+#[test]
+fn stops_taken_in_any_order_keep_each_threads_signal() {
+    let mut rig = Rig::new(&[PID, PID + 1, PID + 2]);
+    // The kernel reports the threads last first, each with its own stop.
+    stops_with(&mut rig, PID + 2, Stop::Signal(libc::SIGUSR1));
+    stops_with(&mut rig, PID + 1, Stop::Signal(libc::SIGTRAP));
+    let resume = stop_all(&mut rig, &[PID, PID + 1, PID + 2], PATIENCE).unwrap();
+    assert_eq!(interrupted(&rig), [PID, PID + 1, PID + 2]);
+    assert_eq!(
+        resume,
+        HashMap::from([
+            (PID, Resume::Cont(0)),
+            (PID + 1, Resume::Cont(libc::SIGTRAP)),
+            (PID + 2, Resume::Cont(libc::SIGUSR1)),
+        ])
+    );
+    // A failed attach lets each go with the signal it was stopped with.
+    assert_eq!(
+        rig.control.held,
+        HashMap::from([(PID, 0), (PID + 1, libc::SIGTRAP), (PID + 2, libc::SIGUSR1)])
+    );
+}
+
+#[test]
+fn a_group_stopped_thread_is_held_to_be_listened_to() {
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    stops_with(&mut rig, PID + 1, Stop::EventStop(libc::SIGTSTP));
+    let resume = stop_all(&mut rig, &[PID, PID + 1], PATIENCE).unwrap();
+    assert_eq!(resume[&(PID + 1)], Resume::Listen);
+    assert_eq!(rig.control.held[&(PID + 1)], 0);
+    let worker = rig.life().worker(PID, &resume).unwrap();
+    assert_eq!(worker, PID);
+    rig.target.calls.clear();
+    rig.life()
+        .resume_all(PID, resume, worker, Vec::new())
+        .unwrap();
+    // Left in its group-stop; the leader runs on.
+    let mut calls = rig.target.calls.clone();
+    calls.sort_by_key(|c| format!("{c:?}"));
+    assert_eq!(calls, [Call::Cont(PID, 0), Call::Listen(PID + 1)]);
+    assert!(rig.control.held.is_empty());
+}
+
+#[test]
+fn a_thread_that_exits_while_being_stopped_is_forgotten() {
+    let mut rig = Rig::new(&[PID, PID + 1, PID + 2]);
+    stops_with(&mut rig, PID + 1, Stop::Exited(0));
+    let resume = stop_all(&mut rig, &[PID, PID + 1, PID + 2], PATIENCE).unwrap();
+    assert_eq!(
+        resume.keys().copied().collect::<HashSet<_>>(),
+        HashSet::from([PID, PID + 2])
+    );
+    assert!(!rig.family.threads.contains_key(&(PID + 1)));
+    assert!(!rig.control.held.contains_key(&(PID + 1)));
+    assert_eq!(rig.control.ending, None);
+}
+
+#[test]
+fn the_leader_exiting_while_stopped_ends_the_attach() {
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    stops_with(&mut rig, PID + 1, Stop::Signal(libc::SIGUSR1));
+    stops_with(&mut rig, PID, Stop::Exited(3));
+    let err = stop_all(&mut rig, &[PID, PID + 1], PATIENCE).unwrap_err();
+    assert!(matches!(err, TraceError::NoSuchProcess(PID)), "{err}");
+    // The thread stopped before is held, with its signal, to be let go.
+    assert_eq!(rig.control.held, HashMap::from([(PID + 1, libc::SIGUSR1)]));
+    assert_eq!(rig.control.ending, Some(super::super::Ending::Exited(3)));
+}
+
+#[test]
+fn a_thread_born_while_stopping_is_adopted_and_stopped_too() {
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    rig.target.process(PID, &[PID, PID + 1, PID + 5]);
+    // PID + 1 clones PID + 5, whose first stop comes after the birth.
+    stops_with(&mut rig, PID + 1, Stop::Event(libc::PTRACE_EVENT_CLONE));
+    let born = (libc::PTRACE_EVENT_CLONE, (PID + 5) as u64);
+    rig.target.events.insert(PID + 1, born);
+    rig.target.stopped_at(PID + 5, 0x2000, 0x7000);
+    rig.target.report(PID + 5, Stop::EventStop(libc::SIGTRAP));
+    let resume = stop_all(&mut rig, &[PID, PID + 1], PATIENCE).unwrap();
+    assert_eq!(interrupted(&rig), [PID, PID + 1], "born stopped");
+    assert_eq!(resume.len(), 3);
+    assert_eq!(resume[&(PID + 5)], Resume::Cont(0));
+    assert_eq!(resume[&(PID + 1)], Resume::Cont(0));
+    assert_eq!(rig.family.threads[&(PID + 5)].pid, PID);
+    assert!(rig.family.announced.is_empty());
+    assert_eq!(rig.control.held[&(PID + 5)], 0);
+}
+
+#[test]
+fn a_thread_whose_first_stop_came_before_its_birth_is_adopted_at_the_birth() {
+    let mut rig = Rig::new(&[PID]);
+    rig.target.process(PID, &[PID, PID + 5]);
+    rig.target.stopped_at(PID + 5, 0x2000, 0x7000);
+    rig.target.report(PID + 5, Stop::EventStop(libc::SIGTRAP));
+    stops_with(&mut rig, PID, Stop::Event(libc::PTRACE_EVENT_CLONE));
+    let born = (libc::PTRACE_EVENT_CLONE, (PID + 5) as u64);
+    rig.target.events.insert(PID, born);
+    let resume = stop_all(&mut rig, &[PID], PATIENCE).unwrap();
+    assert_eq!(
+        resume,
+        HashMap::from([(PID, Resume::Cont(0)), (PID + 5, Resume::Cont(0))])
+    );
+    assert!(rig.family.early.is_empty());
+    assert!(rig.family.threads.contains_key(&(PID + 5)));
+}
+
+#[test]
+fn a_thread_that_never_stops_gives_the_attach_up_holding_the_others() {
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    // Stopped in the kernel (uninterruptible sleep): it reports nothing.
+    rig.target.threads.get_mut(&(PID + 1)).unwrap().stopped = true;
+    rig.target.ticking = true;
+    let err = stop_all(&mut rig, &[PID, PID + 1], Duration::ZERO).unwrap_err();
+    let TraceError::AttachAbandoned { pid, reason } = err else {
+        panic!("{err}");
+    };
+    assert_eq!(pid, PID);
+    assert_eq!(
+        reason,
+        format!("threads [{}] did not stop within 0 s", PID + 1)
+    );
+    assert_eq!(rig.control.held, HashMap::from([(PID, 0)]));
+}
+
+#[test]
+fn the_leader_runs_the_injected_calls_when_it_can() {
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    for tid in [PID, PID + 1] {
+        rig.target.threads.get_mut(&tid).unwrap().stopped = true;
+    }
+    let both = |a, b| HashMap::from([(PID, a), (PID + 1, b)]);
+    let mut life = rig.life();
+    let runs = both(Resume::Cont(0), Resume::Cont(libc::SIGUSR1));
+    assert_eq!(life.worker(PID, &runs).unwrap(), PID);
+    // In group-stop, the leader leaves them to a thread that runs...
+    let listens = both(Resume::Listen, Resume::Cont(0));
+    assert_eq!(life.worker(PID, &listens).unwrap(), PID + 1);
+    // ...and takes them when no thread runs.
+    let listens = HashMap::from([(PID, Resume::Listen)]);
+    assert_eq!(life.worker(PID, &listens).unwrap(), PID);
+    // A vfork parent cannot run a call before its child execs.
+    life.target
+        .events
+        .insert(PID, (libc::PTRACE_EVENT_VFORK, 0));
+    assert_eq!(life.worker(PID, &runs).unwrap(), PID + 1);
+}
+
+#[test]
+fn a_vfork_parent_alone_leaves_the_injected_calls_to_its_child() {
+    let mut rig = Rig::new(&[PID]);
+    rig.target.threads.get_mut(&PID).unwrap().stopped = true;
+    rig.target.events.insert(PID, (libc::PTRACE_EVENT_VFORK, 0));
+    let child = PID + 9;
+    let mut process = Process::new(Role::Shares { parent: PID }, None);
+    process.paused = Some(PID);
+    rig.family.processes.insert(child, process);
+    rig.family.threads.insert(child, Thread::new(child, 0));
+    rig.target.stopped_at(child, 0x2000, 0x7000);
+    let resume = HashMap::from([(PID, Resume::Cont(0)), (child, Resume::Cont(0))]);
+    assert_eq!(rig.life().worker(PID, &resume).unwrap(), child);
+    // Nothing stopped: no worker, and no process to attach to.
+    let err = rig.life().worker(PID, &HashMap::new()).unwrap_err();
+    assert!(matches!(err, TraceError::NoSuchProcess(PID)), "{err}");
+}
+
+#[test]
+fn every_thread_goes_on_as_it_stopped_the_worker_with_the_signals_it_got() {
+    let mut rig = Rig::new(&[PID, PID + 1, PID + 2]);
+    stops_with(&mut rig, PID, Stop::Signal(libc::SIGUSR1));
+    stops_with(&mut rig, PID + 1, Stop::EventStop(libc::SIGSTOP));
+    let resume = stop_all(&mut rig, &[PID, PID + 1, PID + 2], PATIENCE).unwrap();
+    assert_eq!(rig.control.held.len(), 3);
+    rig.target.calls.clear();
+    let arrived = vec![libc::SIGCHLD, libc::SIGALRM];
+    rig.life().resume_all(PID, resume, PID, arrived).unwrap();
+    let of = |tid: Tid| -> Vec<Call> {
+        let calls = rig.target.calls.iter();
+        calls
+            .filter(|c| match c {
+                Call::Cont(t, _) | Call::Listen(t) | Call::Tgkill(t, _) => *t == tid,
+                _ => false,
+            })
+            .cloned()
+            .collect()
+    };
+    // The worker: its own signal now, the ones that arrived queued first.
+    assert_eq!(
+        of(PID),
+        [
+            Call::Tgkill(PID, libc::SIGCHLD),
+            Call::Tgkill(PID, libc::SIGALRM),
+            Call::Cont(PID, libc::SIGUSR1)
+        ]
+    );
+    assert_eq!(of(PID + 1), [Call::Listen(PID + 1)]);
+    assert_eq!(of(PID + 2), [Call::Cont(PID + 2, 0)]);
+    assert_eq!(rig.target.calls.len(), 5);
+    assert!(rig.control.held.is_empty());
+    assert!(!rig.target.threads[&PID].stopped);
+}
+
+#[test]
+fn a_group_stopped_worker_gets_the_signals_that_arrived_queued() {
+    let mut rig = Rig::new(&[PID]);
+    stops_with(&mut rig, PID, Stop::EventStop(libc::SIGSTOP));
+    let resume = stop_all(&mut rig, &[PID], PATIENCE).unwrap();
+    rig.target.calls.clear();
+    rig.life()
+        .resume_all(PID, resume, PID, vec![libc::SIGCHLD])
+        .unwrap();
+    assert_eq!(
+        rig.target.calls,
+        [Call::Tgkill(PID, libc::SIGCHLD), Call::Listen(PID)]
+    );
+    assert!(rig.target.threads[&PID].stopped, "still in its group-stop");
+}
