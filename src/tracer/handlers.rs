@@ -33,6 +33,12 @@ use crate::os::ptrace::{self, Tid};
 const AT_HANDLER: i32 = libc::SIGTRAP;
 /// si_code of a single-step trap (`TRAP_TRACE`, siginfo.h): no handler ran.
 const TRAP_TRACE: i32 = 2;
+/// si_code of a single step that ended at a system call's exit
+/// (`TRAP_BRKPT`: x86's `user_single_step_report`). A thread stepped with a
+/// signal it ignores, while stopped inside a blocking call (a futex wait in
+/// the allocator's lock), goes back into the call; the step ends only when
+/// the call returns, maybe much later, and is reported so. No handler ran.
+const TRAP_BRKPT: i32 = 1;
 
 /// A signal handler running on a thread that had a call pending.
 #[derive(Debug)]
@@ -114,7 +120,7 @@ impl Family {
             return false;
         }
         let code = target.si_code(tid).unwrap_or(0);
-        if code == TRAP_TRACE {
+        if code == TRAP_TRACE || code == TRAP_BRKPT {
             return true;
         }
         if code != AT_HANDLER {
@@ -281,6 +287,17 @@ mod tests {
     fn a_step_without_a_handler_leaves_the_call_pending() {
         let family = stepped(0x5001, 0x8f00, TRAP_TRACE);
         let thread = &family.threads[&7];
+        assert!(thread.handlers.is_empty() && thread.in_call.is_some());
+    }
+
+    #[test]
+    fn a_step_that_ends_at_a_system_calls_exit_leaves_the_call_pending() {
+        // Found by an attach soak: stepped with SIGCHLD (ignored) inside a
+        // futex wait, a thread's step ended when the wait did; taken for
+        // the program's own trap, that SIGTRAP killed the program.
+        let family = stepped(0x5001, 0x8f00, TRAP_BRKPT);
+        let thread = &family.threads[&7];
+        assert!(!thread.stepping);
         assert!(thread.handlers.is_empty() && thread.in_call.is_some());
     }
 
