@@ -160,7 +160,7 @@ impl<T: Target> Life<'_, T> {
     /// Hook process `pid`'s images, `worker` running the injected calls:
     /// the signals it received meanwhile, to be delivered when it resumes.
     fn hook(&mut self, pid: Tid, worker: Tid, ahead: Ahead) -> Result<Vec<i32>, TraceError> {
-        let catch = self.opts.catch(self.alive_ticks());
+        let catch = self.catch();
         let mut space = Space::new(pid, catch)?;
         space.ahead = ahead;
         if let Some(process) = self.family.processes.get_mut(&pid) {

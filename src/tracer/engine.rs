@@ -185,7 +185,7 @@ impl Tracer {
                 self.resume(tid, 0)
             }
             Stopped::Exec => {
-                let catch = self.catch();
+                let catch = self.life().catch();
                 let (mut images, target) = self.images();
                 images.exec(target, tid, catch)
             }

@@ -11,6 +11,7 @@ use super::booking::Booking;
 use super::failopen;
 use super::images::Images;
 use super::process::Family;
+use super::space::Catch;
 use super::stops::Stops;
 use super::target::Target;
 use super::{Control, Ending, TraceError, TraceOptions, TraceStats};
@@ -43,6 +44,11 @@ impl<T: Target> Life<'_, T> {
     /// (see [`super::failopen`]).
     pub fn alive_ticks(&self) -> u64 {
         failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
+    }
+
+    /// How the allocator functions of a new address space are caught.
+    pub fn catch(&self) -> Catch {
+        self.opts.catch(self.alive_ticks())
     }
 
     /// Thread `tid` is gone (`stop`: how it ended). When it is a process's

@@ -373,17 +373,6 @@ impl Tracer {
         &self.stats
     }
 
-    /// How the allocator functions of a new address space are caught.
-    fn catch(&self) -> Catch {
-        self.opts.catch(self.alive_ticks())
-    }
-
-    /// The age of a heartbeat at which the probes count memptrace as gone
-    /// (see [`failopen`]).
-    fn alive_ticks(&self) -> u64 {
-        failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
-    }
-
     /// What memptrace's death would do to process `pid` now: `None` when it
     /// runs on, else which int3s would kill it.
     pub fn int3s_left(&self, pid: Tid) -> Option<String> {
