@@ -10,8 +10,7 @@ use goblin::elf::{Elf, program_header};
 use crate::addr::Svma;
 
 /// The widest padding after an executable `PT_LOAD` segment to the end of
-/// its last page, where no other segment is mapped (see
-/// [`ElfImage::code_padding`]).
+/// its last page, where no other segment is mapped (`ElfImage::code_padding`).
 pub(super) fn code_padding(elf: &Elf) -> Option<Range<u64>> {
     const PAGE: u64 = 4096;
     let loads: Vec<(u64, u64)> = elf

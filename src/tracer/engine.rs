@@ -7,10 +7,11 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use super::booking::Booking;
-use super::detach::Detached;
+use super::life::detach::Detached;
+use super::life::failure;
 use super::stop::Stopped;
 use super::target::Target;
-use super::{Control, Ending, TraceError, TraceStats, Tracer, failure, signal_name};
+use super::{Control, Ending, TraceError, TraceStats, Tracer, signal_name};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::os::signals;
 use crate::unwind::pipeline::PipelineHandle;
@@ -93,7 +94,7 @@ impl Tracer {
         Ok(self.control.ending.clone().unwrap_or(Ending::Exited(0)))
     }
 
-    /// The next stop to serve (see [`Stops`]); whatever is batched goes to
+    /// The next stop to serve (see [`super::stops::Stops`]); whatever is batched goes to
     /// the pipeline before the tracer sleeps.
     fn next_stop(&mut self) -> io::Result<Option<(Tid, Stop)>> {
         if self.jumps() {
@@ -136,8 +137,8 @@ impl Tracer {
     }
 
     /// Hand the batch to the pipeline, up to the first call still waiting for
-    /// its thread's stack copy (see [`copies`]).
-    /// While the pipeline is busy the batch grows instead (see [`outbox`]).
+    /// its thread's stack copy (see [`super::booking::copies`]).
+    /// While the pipeline is busy the batch grows instead (see [`super::booking::outbox`]).
     pub(super) fn flush(&mut self) -> Result<(), TraceError> {
         if self.book.out.awaiting_copies() {
             self.book
@@ -221,7 +222,7 @@ impl Tracer {
         }
     }
 
-    /// Let every thread go (see [`super::detach`]): the calls held back for
+    /// Let every thread go (see [`super::life::detach`]): the calls held back for
     /// the attach's inventory are booked first, and the heaps mapped once
     /// the threads run again.
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
@@ -231,7 +232,7 @@ impl Tracer {
         Ok(())
     }
 
-    /// Let go the threads an attach stopped (see [`super::detach`]).
+    /// Let go the threads an attach stopped (see [`super::life::detach`]).
     pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
         let detached = self.life().let_go_held()?;
         self.after_detach(detached);

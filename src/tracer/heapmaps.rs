@@ -23,8 +23,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::booking::Booking;
-use super::ledger::{CallFacts, Ledger};
-use super::pauses::Pause;
+use super::booking::ledger::{CallFacts, Ledger};
+use super::life::pauses::Pause;
 use super::process::{Family, Role};
 use super::{TraceMsg, TraceStats};
 use crate::event::Op;
@@ -414,7 +414,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::tracer::merge::TscClock;
+    use crate::tracer::booking::merge::TscClock;
 
     const PID: Tid = 4242;
 

@@ -1,12 +1,24 @@
 //! The wait loop: every stop of every traced thread comes through here.
 //!
 //! The tracer owns the processes and threads it traces (`process`), their
-//! address spaces (`space`) with the probes planted in them (`probes`), and
-//! the book of live blocks (`ledger`). It turns probe stops into calls
-//! (`calls`), reads what the jump probes recorded (`rings`), and hands it
-//! all, with everything else it learns (images, threads), to the pipeline
-//! thread in batches (`outbox`). It never writes a database and never
-//! unwinds with framehop itself: the stop path stays short.
+//! address spaces (`space`) with the probes planted in them (`probes`). Its
+//! parts, each over the OS port (`target`, faked in unit tests):
+//!
+//! - `engine`: the wait loop and its dispatch (`stop` classifies a stop,
+//!   `stops` serves stopped threads in turn);
+//! - `life`: the lifecycle: attaching, stopping every thread, children
+//!   born, and the detach;
+//! - `serve`: the stops a running trace still makes (int3 calls, signal
+//!   handlers, mapping calls, a jump probe's thread without a slot);
+//! - `booking`: calls made into events, with the book of live blocks
+//!   (`ledger`), what the jump probes recorded (`rings`, put in order by
+//!   `merge`), stacks the threads copied (`copies`), and everything handed
+//!   to the pipeline thread in batches (`outbox`);
+//! - `images` and `heapmaps`: the images found and hooked, and the heap
+//!   maps taken.
+//!
+//! It never writes a database and never unwinds with framehop itself: the
+//! stop path stays short.
 //!
 //! Rules it keeps (`ptrace(2)`): threads are seized, so group-stops are seen as
 //! PTRACE_EVENT_STOP and answered with PTRACE_LISTEN; signals are re-injected
@@ -15,41 +27,22 @@
 //! in turn (`stops`), so that a traced program's threads keep their relative
 //! speeds.
 
-mod attach;
 mod booking;
-mod calls;
-mod callsite;
-mod children;
-#[cfg(test)]
-mod children_tests;
-mod copies;
-mod detach;
-mod dying;
 mod engine;
-mod failopen;
-mod failure;
-mod handlers;
 mod heapmaps;
 mod images;
 mod inject;
-mod jumps;
-mod ledger;
 mod life;
-#[cfg(test)]
-mod life_tests;
-mod mappings;
-mod merge;
-mod outbox;
-pub mod pauses;
 mod probes;
 mod process;
-mod rings;
 mod running;
+mod serve;
 mod space;
 mod stop;
-mod stopping;
 mod stops;
 mod target;
+
+pub use life::pauses;
 
 use std::collections::HashMap;
 use std::io;
@@ -65,12 +58,12 @@ use crate::trace_msg::TraceMsg;
 use crate::unwind::UnwinderKind;
 use crate::unwind::pipeline::PipelineHandle;
 use booking::Booking;
-use calls::Serve;
+use booking::merge::TscClock;
+use booking::outbox::Outbox;
 use images::Images;
 use life::Life;
-use merge::TscClock;
-use outbox::Outbox;
 use process::{Family, Process, Role};
+use serve::calls::Serve;
 use space::Catch;
 use stops::Stops;
 use target::Live;
@@ -133,7 +126,7 @@ impl TraceOptions {
 impl TraceOptions {
     /// How the allocator functions of a new address space are caught: jump
     /// probes unless int3 probes are asked for (or libunwind, which walks a
-    /// stopped thread's stack, unwinds); `alive_ticks`: see [`failopen`].
+    /// stopped thread's stack, unwinds); `alive_ticks`: see [`life::failopen`].
     fn catch(&self, alive_ticks: u64) -> Catch {
         let libunwind = self.stacks && self.unwinder == UnwinderKind::Libunwind;
         if self.probes == ProbeMode::Jump && !libunwind {
@@ -148,7 +141,7 @@ impl TraceOptions {
             }
         } else {
             Catch::Int3 {
-                buffers: copies::wanted(self),
+                buffers: booking::copies::wanted(self),
             }
         }
     }
@@ -341,7 +334,7 @@ impl Tracer {
         progress: Arc<Progress>,
         heap_facts: heap::Facts,
     ) -> Result<Tracer, TraceError> {
-        attach::attach(opts, pipeline, pid, clock, progress, heap_facts)
+        life::attach::attach(opts, pipeline, pid, clock, progress, heap_facts)
     }
 
     /// A tracer that traces nothing yet.
@@ -426,7 +419,7 @@ impl Tracer {
         }
     }
 
-    /// The parts serving a breakpoint stop concerns (see [`calls`]).
+    /// The parts serving a breakpoint stop concerns (see [`serve::calls`]).
     fn serve(&mut self) -> Serve<'_, Live> {
         Serve {
             opts: &self.opts,

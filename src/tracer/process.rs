@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::callsite;
-use super::copies::PendingCopy;
-use super::handlers::HandlerFrame;
+use super::booking::copies::PendingCopy;
+use super::serve::callsite;
+use super::serve::handlers::HandlerFrame;
 use super::space::Space;
 use super::space::buffers::STACK_COPY;
 use super::target::Target;
@@ -49,7 +49,7 @@ pub struct Process {
     /// The user was told its program has nothing to hook.
     pub warned: bool,
     /// Records of its jump probes waiting for their turn.
-    pub merge: super::merge::Merge,
+    pub merge: super::booking::merge::Merge,
     /// A vfork child: the thread of its parent whose slot records nothing
     /// while the child runs on the parent's stack.
     pub paused: Option<Tid>,
@@ -107,10 +107,10 @@ pub struct Thread {
     /// interrupted a call).
     pub in_call: Option<PendingCall>,
     /// Signal handlers that interrupted a pending call, innermost last
-    /// (see [`super::handlers`]).
+    /// (see [`super::serve::handlers`]).
     pub handlers: Vec<HandlerFrame>,
     /// Sent into a signal with a single step: its next SIGTRAP may be the
-    /// step's (see [`super::handlers`]).
+    /// step's (see [`super::serve::handlers`]).
     pub stepping: bool,
     /// The memory mapping that holds this thread's stack.
     pub stack: Option<Range<u64>>,

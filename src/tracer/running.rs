@@ -1,6 +1,6 @@
 //! Letting traced threads run again: continue with a signal, listen at a
 //! group-stop, queue further signals. Every part that ends a stop resumes
-//! through here, so the heartbeat the probes watch (see [`super::failopen`])
+//! through here, so the heartbeat the probes watch (see [`super::life::failopen`])
 //! is fresh whenever a thread runs, and a thread that vanished meanwhile
 //! (killed) is not an error: waitpid reports its end.
 

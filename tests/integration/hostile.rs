@@ -146,7 +146,7 @@ fn a_panic_of_memptrace_lets_the_process_go_and_ends_the_trace() {
     assert!(t.meta("ended_at").is_some());
     let reason = t.meta("end_reason").unwrap();
     assert!(
-        reason.starts_with("memptrace failed: panicked at src/tracer/failure.rs:")
+        reason.starts_with("memptrace failed: panicked at src/tracer/life/failure.rs:")
             && reason.contains("MEMPTRACE_PANIC_AFTER"),
         "{reason}"
     );

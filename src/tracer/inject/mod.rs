@@ -178,7 +178,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
     regs.r9 = args[5];
     regs.rip = entry;
     ptrace::set_regs(tid, &regs)?;
-    super::dying::in_call();
+    super::life::dying::in_call();
 
     let mut entered = false;
     let patience = Patience::new(tid);
@@ -203,7 +203,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
         match (stop, at_syscall(tid, stop)?) {
             (_, SyscallStop::Entry) => {
                 entered = true;
-                super::dying::in_call();
+                super::life::dying::in_call();
             }
             (_, SyscallStop::Exit) if entered => break ptrace::get_regs(tid)?.rax,
             // A signal that came before the call: kept, delivered after it.
@@ -217,7 +217,7 @@ pub fn syscall(tid: Tid, via: Via, nr: u64, args: [u64; 6]) -> Result<Injected, 
             _ => {}
         }
     };
-    super::dying::in_call();
+    super::life::dying::in_call();
     ptrace::set_regs(tid, &resume)?;
     let as_signed = result as i64;
     if (-4095..0).contains(&as_signed) {
@@ -258,9 +258,9 @@ pub fn through_stub_at<T>(
         insn: via.insn,
         stub: Some((at, at + stub.save)),
     };
-    super::dying::lending(true);
+    super::life::dying::lending(true);
     let done = call(lent);
-    super::dying::lending(false);
+    super::life::dying::lending(false);
     // The thread is out of the stub (its registers are its own again, or it
     // is gone): nothing runs these bytes now.
     let _ = mem.write(at, &original);

@@ -21,7 +21,7 @@ impl Space {
     }
 
     /// Move a thread stopped with `regs` out of the trampoline areas, to the
-    /// same place in the original code (see [`Hooks::leave`]); from the copy
+    /// same place in the original code (see [`crate::tracer::probes::Hooks::leave`]); from the copy
     /// routine, to where the routine would have gone on. `Some(false)` when
     /// the thread is in no area, `Some(true)` when `regs` changed, `None`
     /// when it is somewhere in an area that cannot be mapped back.

@@ -2,7 +2,7 @@
 //! registers, resuming it or asking it to stop, writing a word into its
 //! data (a return address on its stack), and each address space's memory
 //! read whole and written as code. [`Live`] is the real target, over
-//! `os::ptrace` and `os::mem`; the tests' [`fake`] holds byte buffers and
+//! `os::ptrace` and `os::mem`; the tests' `fake` holds byte buffers and
 //! registers and records what was asked of it, so that attach (planting),
 //! detach (restoring, moving threads out of probe code, sending calls in
 //! progress home) and space management run in unit tests without a process.
@@ -10,7 +10,7 @@
 //! Callers take `T: Target` (generic, not `dyn`): the tracer's real target
 //! is a unit struct, so every call is the `os` call it stands for, inlined,
 //! as before the port existed. The rings are read through `RingBytes` and
-//! [`crate::tracer::merge::Rings`], generic too: the hot path (reading
+//! [`crate::tracer::booking::merge::Rings`], generic too: the hot path (reading
 //! records) costs what it did. Only a space's code memory is a
 //! `Box<dyn CodeMemory>`: it is written when probes are planted or
 //! restored, never per call.

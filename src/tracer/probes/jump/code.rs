@@ -149,7 +149,7 @@ pub fn probe(spec: &ProbeSpec, at: u64) -> Result<ProbeCode, AsmError> {
 }
 
 /// Steps 0 and 1: on at once when memptrace is gone; else the thread's
-/// slot into [`SLOT`] (the key in [`KEY`]), or the miss int3.
+/// slot into [`SLOT`] (the key in rax), or the miss int3.
 fn enter(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), IcedError> {
     let map = matches!(spec.what, Called::Map(_));
     // 0. memptrace is gone (see `liveness`): straight on, unrecorded.

@@ -8,7 +8,7 @@ use super::*;
 use crate::event::Op;
 use crate::sink::Record;
 use crate::trace_msg::{CallStack, TraceMsg};
-use crate::tracer::life_tests::Rig;
+use crate::tracer::life::tests::Rig;
 use crate::tracer::probes::int3;
 use crate::tracer::process::PendingCall;
 use crate::tracer::space::fake::PID;

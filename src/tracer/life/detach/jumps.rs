@@ -1,20 +1,16 @@
-//! The stops the jump probes still need: a thread meeting a probe before it
-//! has a slot, a vfork child running on its parent's slot, a stack walk
-//! that faulted, a thread inside a patch at attach (all the family's, over
-//! a target); and the detach, which must get every thread out of the
-//! probes before their code goes (a lifecycle step, on the [`Life`] view).
+//! Leaving the jump probes at detach: every thread stopped, each thread
+//! standing in a probe's code is let run until it is out, and each call
+//! still inside a function a probe called is sent straight back to its
+//! caller, before the probes' code goes.
 
 use std::collections::{HashMap, HashSet};
-use std::io;
 use std::time::{Duration, Instant};
 
-use super::calls::redirect;
-use super::life::Life;
-use super::probes::Probe;
-use super::process::{Family, Role};
-use super::target::Target;
-use super::{TraceError, TraceStats};
-use crate::os::ptrace::{Regs, Tid};
+use crate::os::ptrace::Tid;
+use crate::tracer::TraceError;
+use crate::tracer::life::Life;
+use crate::tracer::probes::Probe;
+use crate::tracer::target::Target;
 
 /// How long threads in a probe's code run at first before they are
 /// stopped again at detach, and at most (doubled at each round).
@@ -28,7 +24,7 @@ impl<T: Target> Life<'_, T> {
     /// (see `detach`). Signals that stopped a thread meanwhile go to
     /// `deliver`. Returns the threads that were let run and did not stop
     /// again (they stay traced until they do: see `detach_later`).
-    pub(super) fn leave_jump_probes(
+    pub(in crate::tracer) fn leave_jump_probes(
         &mut self,
         deliver: &mut HashMap<Tid, i32>,
         keep_pages: &mut HashSet<Tid>,
@@ -93,14 +89,14 @@ impl<T: Target> Life<'_, T> {
     /// A thread stopped by a single step or an int3 sits in a SIGTRAP stop,
     /// which memptrace's death would turn into a SIGTRAP that kills the
     /// process; one stopped by PTRACE_INTERRUPT is let go unharmed.
-    /// Returns the threads still inside at the end of [`super::PATIENCE`]
+    /// Returns the threads still inside at the end of [`crate::tracer::PATIENCE`]
     /// and those that were let run and did not stop again.
     fn run_out(
         &mut self,
         deliver: &mut HashMap<Tid, i32>,
     ) -> Result<(Vec<Tid>, Vec<Tid>), TraceError> {
         let mut inside = self.inside_probes()?;
-        if super::dying::wants_threads_in_probes() {
+        if crate::tracer::life::dying::wants_threads_in_probes() {
             inside = self.until_some_thread_is_in_a_probe(inside, deliver)?;
         }
         *self.stats.in_probes_at_detach.get_or_insert(0) += inside.len() as u64;
@@ -112,12 +108,12 @@ impl<T: Target> Life<'_, T> {
                 space.put_back_code()?;
             }
         }
-        super::dying::in_detach();
-        let deadline = Instant::now() + super::PATIENCE;
+        crate::tracer::life::dying::in_detach();
+        let deadline = Instant::now() + crate::tracer::PATIENCE;
         let mut run = RUN_OUT.0;
         while !inside.is_empty() && Instant::now() < deadline {
             let running = self.run_a_moment(&inside, run, true, deliver, deadline)?;
-            super::dying::in_detach();
+            crate::tracer::life::dying::in_detach();
             if !running.is_empty() {
                 inside = self.inside_probes()?;
                 inside.retain(|t| !running.contains(t));
@@ -142,7 +138,7 @@ impl<T: Target> Life<'_, T> {
                 break;
             }
             let all: Vec<Tid> = self.family.threads.keys().copied().collect();
-            let deadline = Instant::now() + super::PATIENCE;
+            let deadline = Instant::now() + crate::tracer::PATIENCE;
             if !self
                 .run_a_moment(&all, RUN_OUT.0, false, deliver, deadline)?
                 .is_empty()
@@ -207,7 +203,7 @@ impl<T: Target> Life<'_, T> {
             }
         }
         if moment {
-            super::dying::in_detach();
+            crate::tracer::life::dying::in_detach();
         }
         std::thread::sleep(run);
         for &tid in &waiting {
@@ -229,10 +225,10 @@ impl<T: Target> Life<'_, T> {
         let mut kicked = Instant::now();
         while !waiting.is_empty() && Instant::now() < deadline {
             let tid = *waiting.iter().next().unwrap_or(&0);
-            let step = (Instant::now() + super::PATIENCE / 16).min(deadline);
+            let step = (Instant::now() + crate::tracer::PATIENCE / 16).min(deadline);
             match self.target.wait_tid_until(tid, step)? {
                 None => {
-                    if kicked.elapsed() >= super::PATIENCE / 8 {
+                    if kicked.elapsed() >= crate::tracer::PATIENCE / 8 {
                         // Between two states (leaving a system call): ask
                         // again.
                         for &tid in &waiting {
@@ -250,218 +246,5 @@ impl<T: Target> Life<'_, T> {
         }
         self.adopt_announced(deadline)?;
         Ok(waiting.into_iter().collect())
-    }
-}
-
-/// A thread's slot in the jump probes' memory, and pausing the probes of
-/// a vfork child's parent, are the family's.
-impl Family {
-    /// A thread with no slot met a probe (its first allocator call, or its
-    /// thread pointer changed): give it one, and send it back into the
-    /// probe, which now finds it.
-    pub fn on_miss<T: Target>(
-        &mut self,
-        target: &mut T,
-        stats: &mut TraceStats,
-        tid: Tid,
-        pid: Tid,
-        regs: Regs,
-        entry: u64,
-    ) -> io::Result<()> {
-        let stack = self.stack_range(target, tid, pid, regs.rsp);
-        let shares = self
-            .processes
-            .get(&pid)
-            .is_some_and(|p| matches!(p.role, Role::Shares { .. }));
-        let registered = self
-            .space_of_mut(tid)
-            .and_then(|s| s.control_mut())
-            .and_then(|c| {
-                let slot = c.register(tid, regs.fs_base, stack)?;
-                if shares {
-                    // A vfork child: its calls are not recorded.
-                    c.pause(tid, true);
-                }
-                Some(slot)
-            });
-        if registered.is_none() {
-            note_no_slot(stats, tid);
-        }
-        redirect(self, target, tid, regs, entry, &[])
-    }
-
-    /// Where a probe's stack walk that faulted goes on (its end, the stack
-    /// marked truncated): a fault raised by the CPU (si_code > 0) at an
-    /// instruction of a walk, when the thread's stack mapping shrank since
-    /// memptrace read it.
-    pub fn walk_faulted<T: Target>(&self, target: &mut T, tid: Tid) -> Option<u64> {
-        let regs = target.regs(tid).ok()?;
-        let space = self.space_of(tid)?;
-        let to = space.hooks.iter().find_map(|h| match &h.probe {
-            Probe::Jump { code, .. } if code.walk.contains(&regs.rip) => Some(code.truncated),
-            _ => None,
-        })?;
-        target.si_code(tid).is_ok_and(|code| code > 0).then_some(to)
-    }
-
-    /// After a fault of a probe's stack walk: the walk ends there, the
-    /// program never sees the signal, and the thread's stack is read anew.
-    pub fn recover_walk<T: Target>(
-        &mut self,
-        target: &mut T,
-        stats: &mut TraceStats,
-        tid: Tid,
-        to: u64,
-    ) -> io::Result<()> {
-        let Ok(mut regs) = target.regs(tid) else {
-            return Ok(());
-        };
-        stats.walk_faults += 1;
-        let pid = self.pid_of(tid).unwrap_or(tid);
-        if let Some(thread) = self.threads.get_mut(&tid) {
-            thread.stack = None;
-        }
-        let stack = self.stack_range(target, tid, pid, regs.rsp);
-        if let Some(control) = self.space_of(tid).and_then(|s| s.control()) {
-            control.set_stack(tid, stack);
-        }
-        regs.rip = to;
-        if target.set_regs(tid, &regs).is_err() {
-            return Ok(());
-        }
-        self.resume(target, tid, 0)
-    }
-
-    /// Move a stopped thread standing inside the bytes a jump probe's patch
-    /// covers (past the entry) to the same instruction in the probe's
-    /// displaced copy, which goes on where the function does.
-    pub fn step_over_patch<T: Target>(&self, target: &mut T, tid: Tid) -> io::Result<()> {
-        let Ok(mut regs) = target.regs(tid) else {
-            return Ok(());
-        };
-        let Some(space) = self.space_of(tid) else {
-            return Ok(());
-        };
-        let moved = space.hooks.iter().find_map(|h| match &h.probe {
-            Probe::Jump {
-                code,
-                via_int3: false,
-            } if regs.rip > h.addr => code
-                .displaced_map
-                .iter()
-                .find(|&&(_, orig)| orig == regs.rip)
-                .map(|&(here, _)| here),
-            _ => None,
-        });
-        if let Some(here) = moved {
-            regs.rip = here;
-            target.set_regs(tid, &regs)?;
-        }
-        Ok(())
-    }
-
-    /// Record nothing (`paused`), or again, of what thread `tid` calls: the
-    /// thread of a parent whose vfork child runs on its stack.
-    pub fn pause_slots(&self, tid: Tid, paused: bool) {
-        if let Some(control) = self.space_of(tid).and_then(|s| s.control()) {
-            control.pause(tid, paused);
-        }
-    }
-
-    /// A vfork child (`pid`) execs or exits: its parent's thread records
-    /// again, and the slots the child took in its parent's memory go.
-    pub fn end_sharing(&mut self, pid: Tid) {
-        let Some(process) = self.processes.get(&pid) else {
-            return;
-        };
-        let (Role::Shares { parent }, Some(by)) = (process.role, process.paused) else {
-            return;
-        };
-        if let Some(control) = self.space_mut(parent).and_then(|s| s.control_mut()) {
-            control.pause(by, false);
-            control.release_all_of(pid);
-        }
-    }
-}
-
-/// Thread `tid` found no free slot: the user hears of it once.
-fn note_no_slot(stats: &mut TraceStats, tid: Tid) {
-    let warning = format!(
-        "thread {tid} found no free slot in the jump probes' memory (over {} threads at once?) and waits for one",
-        super::probes::jump::layout::SLOTS
-    );
-    if !stats.warnings.contains(&warning) {
-        stats.warnings.push(warning);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tracer::process::{Process, Thread};
-    use crate::tracer::target::fake::{Call, FakeTarget};
-
-    const PID: Tid = 7;
-    const SP: u64 = 0x7ff0_0000;
-
-    /// Process [`PID`], traced with no space made, its thread stopped.
-    fn family() -> (Family, FakeTarget) {
-        let mut family = Family::default();
-        family
-            .processes
-            .insert(PID, Process::new(Role::Traced, None));
-        let mut thread = Thread::new(PID, 0);
-        thread.stack = Some(SP - 0x1000..SP + 0x1000);
-        family.threads.insert(PID, thread);
-        let mut target = FakeTarget::new();
-        target.stopped_at(PID, 0x1001, SP);
-        (family, target)
-    }
-
-    #[test]
-    fn a_thread_finding_no_slot_goes_back_into_the_probe_and_is_warned_of_once() {
-        let (mut family, mut target) = family();
-        let mut stats = TraceStats::default();
-        for _ in 0..2 {
-            let regs = target.threads[&PID].regs;
-            family
-                .on_miss(&mut target, &mut stats, PID, PID, regs, 0x2000)
-                .unwrap();
-            target.threads.get_mut(&PID).unwrap().stopped = true;
-        }
-        assert_eq!(target.threads[&PID].regs.rip, 0x2000);
-        assert_eq!(
-            target.calls,
-            [
-                Call::SetRegs(PID),
-                Call::Cont(PID, 0),
-                Call::SetRegs(PID),
-                Call::Cont(PID, 0)
-            ]
-        );
-        assert_eq!(stats.warnings.len(), 1);
-        assert!(stats.warnings[0].starts_with(&format!("thread {PID} found no free slot")));
-    }
-
-    #[test]
-    fn a_walk_that_faulted_ends_where_it_is_told_unseen() {
-        let (mut family, mut target) = family();
-        let mut stats = TraceStats::default();
-        family
-            .recover_walk(&mut target, &mut stats, PID, 0x3000)
-            .unwrap();
-        assert_eq!(target.calls, [Call::SetRegs(PID), Call::Cont(PID, 0)]);
-        assert_eq!(target.threads[&PID].regs.rip, 0x3000);
-        assert_eq!(stats.walk_faults, 1);
-        // No jump probe in the space: no fault is a walk's.
-        target.threads.get_mut(&PID).unwrap().stopped = true;
-        target.threads.get_mut(&PID).unwrap().si_code = 1;
-        assert_eq!(family.walk_faulted(&mut target, PID), None);
-        // A thread gone meanwhile is no error, and not counted.
-        target.threads.clear();
-        family
-            .recover_walk(&mut target, &mut stats, PID, 0x3000)
-            .unwrap();
-        assert_eq!(stats.walk_faults, 1);
     }
 }

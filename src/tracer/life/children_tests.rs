@@ -3,12 +3,12 @@
 //! a fork that is not followed released with its code put back, and so is
 //! a child that shared the memory of a process that ended.
 
-use super::life_tests::Rig;
-use super::process::{Child, Process, Role, Thread};
-use super::space::fake::{FakeSpace, PID};
-use super::target::Target;
-use super::target::fake::Call;
 use crate::os::ptrace::{Stop, Tid};
+use crate::tracer::life::tests::Rig;
+use crate::tracer::process::{Child, Process, Role, Thread};
+use crate::tracer::space::fake::{FakeSpace, PID};
+use crate::tracer::target::Target;
+use crate::tracer::target::fake::Call;
 
 const NEW: Tid = PID + 1;
 const CHILD: Tid = PID + 10;

@@ -90,12 +90,12 @@ mod knobs {
 }
 
 /// The detach begins: its moments count from now.
-pub(super) use knobs::detaching;
+pub(in crate::tracer) use knobs::detaching;
 /// A thread holds an injected call's registers.
-pub(super) use knobs::in_call;
+pub(in crate::tracer) use knobs::in_call;
 /// A moment of the detach.
-pub(super) use knobs::in_detach;
+pub(in crate::tracer) use knobs::in_detach;
 /// Calls run through a stub lent to page padding (`true`), or no longer.
-pub(super) use knobs::lending;
+pub(in crate::tracer) use knobs::lending;
 /// The detach is to find a thread in a probe's code.
-pub(super) use knobs::wants_threads_in_probes;
+pub(in crate::tracer) use knobs::wants_threads_in_probes;

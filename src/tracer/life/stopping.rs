@@ -5,16 +5,16 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use super::TraceError;
-use super::calls::stored_block_in;
-use super::life::Life;
-use super::process::{Child, Family, Process, Role};
-use super::stop::Stopped;
-use super::target::Target;
 use crate::os::ptrace::{self, Stop, Tid};
+use crate::tracer::TraceError;
+use crate::tracer::life::Life;
+use crate::tracer::process::{Child, Family, Process, Role};
+use crate::tracer::serve::calls::stored_block_in;
+use crate::tracer::stop::Stopped;
+use crate::tracer::target::Target;
 
 /// What [`Life::next_stop_while_stopping`] found.
-pub(super) enum Stopping {
+pub(in crate::tracer) enum Stopping {
     /// A stop of a thread already known.
     Known(Tid, Stop),
     /// A new thread, adopted and left stopped.
@@ -26,7 +26,7 @@ pub(super) enum Stopping {
 }
 
 /// What a SIGTRAP at one of memptrace's int3s was, while stopping.
-pub(super) enum Trap {
+pub(in crate::tracer) enum Trap {
     /// A call came back through its stub's return int3, with this stack
     /// pointer and return value: to be recorded; the thread goes on to its
     /// caller.

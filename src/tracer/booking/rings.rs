@@ -1,5 +1,5 @@
 //! What the jump probes recorded: read from every thread's ring, put back
-//! in the order the calls took effect ([`super::merge`]), and booked like
+//! in the order the calls took effect ([`crate::tracer::booking::merge`]), and booked like
 //! the calls the int3 probes catch.
 //!
 //! Each record carries a sequence number the probe took from the address
@@ -15,16 +15,16 @@
 
 use std::time::Instant;
 
-use super::TraceStats;
-use super::booking::Booking;
-use super::process::Family;
 use crate::os::ptrace::Tid;
+use crate::tracer::TraceStats;
+use crate::tracer::booking::Booking;
+use crate::tracer::process::Family;
 
 impl Booking {
     /// Read the rings of every process and book what can be booked in order.
     /// `settle`: every thread stands outside the probes, or is gone, so a
     /// number not seen now never will be. Returns the records read.
-    pub(super) fn drain_rings(
+    pub(in crate::tracer) fn drain_rings(
         &mut self,
         family: &mut Family,
         stats: &mut TraceStats,
@@ -42,7 +42,7 @@ impl Booking {
     }
 
     /// [`Booking::drain_rings`] for one process.
-    pub(super) fn drain_process(
+    pub(in crate::tracer) fn drain_process(
         &mut self,
         family: &mut Family,
         stats: &mut TraceStats,
@@ -89,7 +89,12 @@ impl Booking {
 
     /// A thread is about to exit: what it recorded is read, and its slots
     /// go to the threads to come.
-    pub(super) fn release_slots(&mut self, family: &mut Family, stats: &mut TraceStats, tid: Tid) {
+    pub(in crate::tracer) fn release_slots(
+        &mut self,
+        family: &mut Family,
+        stats: &mut TraceStats,
+        tid: Tid,
+    ) {
         let Some(pid) = family.owner_of(tid) else {
             return;
         };
@@ -104,7 +109,7 @@ impl TraceStats {
     /// Add what the control area of process `pid` counted to the trace's
     /// counts (the process is going, or the trace ends): calls seen but not
     /// recorded (nested in a call), and calls left by a longjmp.
-    pub(super) fn count_probes(&mut self, family: &mut Family, pid: Tid) {
+    pub(in crate::tracer) fn count_probes(&mut self, family: &mut Family, pid: Tid) {
         let control = family
             .processes
             .get_mut(&pid)

@@ -6,8 +6,8 @@
 //! (PTRACE_CONT): at the displaced instruction for `free`, which returns
 //! nothing worth a stop, and at the slot's call stub for every call that
 //! returns a block, so that the call returns to the stub's int3 (see
-//! [`super::probes::int3::slot_code`]). When its space has stack buffers (framehop or
-//! `--no-stacks`, see [`super::copies`]) the thread first passes through the
+//! [`crate::tracer::probes::int3::slot_code`]). When its space has stack buffers (framehop or
+//! `--no-stacks`, see [`crate::tracer::booking::copies`]) the thread first passes through the
 //! copy routine, which copies its stack, or its return address, into memory
 //! shared with memptrace; otherwise that is read with one process_vm_readv
 //! while the thread is stopped.
@@ -18,7 +18,7 @@
 //! outermost allocator call is recorded: an entry below a pending call of the
 //! same thread (realloc(NULL, n) entering malloc) just passes through, unless
 //! a signal handler that interrupted the pending call makes it
-//! (see [`super::handlers`]). The bookkeeping runs after the thread is
+//! (see [`crate::tracer::serve::handlers`]). The bookkeeping runs after the thread is
 //! resumed.
 //!
 //! [`Serve`] borrows, for one stop, what serving it needs of the tracer:
@@ -27,19 +27,19 @@
 //! and the target. It never waits for a stop, and never sees the stop
 //! queue or the trace's control.
 
-use super::booking::Booking;
-use super::copies::{self, CopyInto, PendingCopy};
-use super::heapmaps::{HeapMaps, HeldCall};
-use super::images::Images;
-use super::ledger::CallFacts;
-use super::probes::{HookKind, Probe};
-use super::process::{Family, PendingCall, PendingMap};
-use super::space::buffers::STACK_COPY;
-use super::target::Target;
-use super::{TraceError, TraceOptions, TraceStats};
 use crate::event::{MapOp, Op};
 use crate::os::ptrace::{Regs, Tid};
 use crate::trace_msg::{CallStack, StackSample};
+use crate::tracer::booking::Booking;
+use crate::tracer::booking::copies::{self, CopyInto, PendingCopy};
+use crate::tracer::booking::ledger::CallFacts;
+use crate::tracer::heapmaps::{HeapMaps, HeldCall};
+use crate::tracer::images::Images;
+use crate::tracer::probes::{HookKind, Probe};
+use crate::tracer::process::{Family, PendingCall, PendingMap};
+use crate::tracer::space::buffers::STACK_COPY;
+use crate::tracer::target::Target;
+use crate::tracer::{TraceError, TraceOptions, TraceStats};
 use crate::unwind::Unwinder;
 
 /// The two ways out of an int3 probe (see [`Probe::Int3`]).
@@ -51,7 +51,7 @@ struct Slot {
 
 /// The tracer's parts that serving a breakpoint stop concerns, borrowed
 /// for that stop.
-pub(super) struct Serve<'a, T: Target> {
+pub(in crate::tracer) struct Serve<'a, T: Target> {
     pub opts: &'a TraceOptions,
     pub family: &'a mut Family,
     pub book: &'a mut Booking,
@@ -62,7 +62,7 @@ pub(super) struct Serve<'a, T: Target> {
 
 impl<T: Target> Serve<'_, T> {
     /// A SIGTRAP stop: one of our int3s, or the program's own SIGTRAP.
-    pub(super) fn trap(&mut self, tid: Tid) -> Result<(), TraceError> {
+    pub(in crate::tracer) fn trap(&mut self, tid: Tid) -> Result<(), TraceError> {
         let regs = match self.target.regs(tid) {
             Ok(regs) => regs,
             Err(_) => return Ok(()), // killed meanwhile; waitpid will say
@@ -154,7 +154,7 @@ impl<T: Target> Serve<'_, T> {
         )?)
     }
 
-    /// Resume a thread, delivering `sig` (see [`super::running`]).
+    /// Resume a thread, delivering `sig` (see [`crate::tracer::running`]).
     fn resume(&mut self, tid: Tid, sig: i32) -> Result<(), TraceError> {
         Ok(self.family.resume(self.target, tid, sig)?)
     }
@@ -232,7 +232,7 @@ impl<T: Target> Serve<'_, T> {
         self.redirect(tid, regs, slot.stub, Vec::new())
     }
 
-    /// A stack copy for the thread to make itself (see [`super::copies`]),
+    /// A stack copy for the thread to make itself (see [`crate::tracer::booking::copies`]),
     /// when its space has a buffer free: the whole stack for framehop, just
     /// the return address with `--no-stacks`. `always`: the call gets its
     /// stack even when `--stack-every` would skip it. Returns the copy and
@@ -369,7 +369,7 @@ impl<T: Target> Serve<'_, T> {
     /// send the thread through the slot's stub (`stub`) to see its result;
     /// a call inside the thread's mapping call in progress goes straight on
     /// (`resume_at`).
-    pub(super) fn on_map_entry(
+    pub(in crate::tracer) fn on_map_entry(
         &mut self,
         tid: Tid,
         pid: Tid,
@@ -401,7 +401,7 @@ impl<T: Target> Serve<'_, T> {
     }
 
     /// Book a call that returned `rax` (and, for posix_memalign, `stored`).
-    pub(super) fn record_return(
+    pub(in crate::tracer) fn record_return(
         &mut self,
         pid: Tid,
         tid: Tid,
@@ -413,7 +413,7 @@ impl<T: Target> Serve<'_, T> {
         self.complete(call.op, &facts, call.stack, call.module_id);
     }
 
-    pub(super) fn facts(
+    pub(in crate::tracer) fn facts(
         &self,
         pid: Tid,
         tid: Tid,
@@ -426,7 +426,13 @@ impl<T: Target> Serve<'_, T> {
 
     /// Book a finished call and send it down the pipeline.
     /// While the attach's heap is walked, held back to be booked after it.
-    pub(super) fn complete(&mut self, op: Op, facts: &CallFacts, stack: CallStack, module_id: u64) {
+    pub(in crate::tracer) fn complete(
+        &mut self,
+        op: Op,
+        facts: &CallFacts,
+        stack: CallStack,
+        module_id: u64,
+    ) {
         let held = HeldCall {
             op,
             facts: *facts,
@@ -445,7 +451,7 @@ impl<T: Target> Serve<'_, T> {
     /// the thread is stopped at a hooked function's first instruction. With
     /// `--stack-every N`, only every Nth call of a call site (and every
     /// `always` call) gets more than its caller.
-    pub(super) fn capture(
+    pub(in crate::tracer) fn capture(
         &mut self,
         tid: Tid,
         pid: Tid,
@@ -509,7 +515,7 @@ impl<T: Target> Serve<'_, T> {
 
 /// Resume a thread stopped at a breakpoint at `resume_at` (the displaced
 /// instruction, a stub, a probe), delivering `signals`.
-pub(super) fn redirect<T: Target>(
+pub(in crate::tracer) fn redirect<T: Target>(
     family: &Family,
     target: &mut T,
     tid: Tid,
@@ -546,7 +552,7 @@ impl Family {
 
 /// posix_memalign's block, stored through its first argument: read it while
 /// the thread is stopped at the return, before the caller can touch it.
-pub(super) fn stored_block_in<T: Target>(
+pub(in crate::tracer) fn stored_block_in<T: Target>(
     target: &mut T,
     pid: Tid,
     call: &PendingCall,

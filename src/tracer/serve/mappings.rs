@@ -8,19 +8,19 @@
 //! (glibc's sbrk calls brk). Whether the allocator made the call (arena
 //! growth, a large block) is told by the pipeline, from the stack.
 
-use super::booking::Booking;
-use super::probes::jump::control::Record;
-use super::probes::jump::layout::record;
-use super::process::{Family, PendingMap};
 use crate::event::{MapEvent, MapOp};
 use crate::os::ptrace::Tid;
 use crate::trace_msg::{CallStack, RawMap, TraceMsg, WalkEnd};
+use crate::tracer::booking::Booking;
+use crate::tracer::probes::jump::control::Record;
+use crate::tracer::probes::jump::layout::record;
+use crate::tracer::process::{Family, PendingMap};
 
 impl Booking {
     /// Book a mapping call a jump probe recorded (attach), with its
     /// `frames`, made at `ts_ns`, as [`Booking::record_map`] does one an
     /// int3 probe caught.
-    pub(super) fn book_map(
+    pub(in crate::tracer) fn book_map(
         &mut self,
         family: &Family,
         pid: Tid,
@@ -59,7 +59,13 @@ impl Booking {
     }
 
     /// Send a mapping call that returned `result` down the pipeline.
-    pub(super) fn record_map(&mut self, pid: Tid, tid: Tid, map: PendingMap, result: u64) {
+    pub(in crate::tracer) fn record_map(
+        &mut self,
+        pid: Tid,
+        tid: Tid,
+        map: PendingMap,
+        result: u64,
+    ) {
         self.next_map_id += 1;
         let event = MapEvent {
             id: self.next_map_id,

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
-use super::{Ending, TraceError};
+use crate::tracer::{Ending, TraceError};
 
 thread_local! {
     /// The last panic's text on this thread, as the hook saw it (the hook
@@ -83,7 +83,7 @@ mod tests {
         assert_eq!(catch(|| 7), Ok(7));
         let err = catch(|| -> u32 { panic!("bad word {}", 3) }).unwrap_err();
         assert!(
-            err.starts_with("panicked at src/tracer/failure.rs:"),
+            err.starts_with("panicked at src/tracer/life/failure.rs:"),
             "{err}"
         );
         assert!(err.ends_with(": bad word 3"), "{err}");

@@ -2,7 +2,6 @@
 //! holds them, the stops the fake reports, and what each step asked of the
 //! target and booked.
 
-use super::*;
 use crate::os::ptrace::Stop;
 use crate::queue::Receiver;
 use crate::tracer::probes::int3;
@@ -11,6 +10,7 @@ use crate::tracer::process::Thread;
 use crate::tracer::space::fake::{FakeSpace, PID};
 use crate::tracer::target::Target;
 use crate::tracer::target::fake::FakeTarget;
+use crate::tracer::*;
 
 /// Everything a lifecycle step is run with.
 pub(super) struct Rig {

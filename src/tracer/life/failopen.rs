@@ -7,7 +7,7 @@
 //! parent's options), so a SIGKILL, an OOM kill or a panic of memptrace
 //! leaves it running, detached by the kernel. What memptrace left in it
 //! must then do no harm: the jump probes fail open (see
-//! [`super::probes::jump::liveness`]): memptrace keeps a heartbeat in each
+//! [`crate::tracer::probes::jump::liveness`]): memptrace keeps a heartbeat in each
 //! control area, fresh at every tick of the wait loop and whenever a thread
 //! runs again, and sets the area's `GONE` word when it lets go of it.
 //!
@@ -22,13 +22,13 @@
 
 use std::time::Duration;
 
-use super::TraceStats;
-use super::merge::TscClock;
-use super::probes::{HookKind, Probe};
-use super::process::Family;
-use super::space::Space;
-use super::target::Target;
 use crate::os::ptrace::Tid;
+use crate::tracer::TraceStats;
+use crate::tracer::booking::merge::TscClock;
+use crate::tracer::probes::{HookKind, Probe};
+use crate::tracer::process::Family;
+use crate::tracer::space::Space;
+use crate::tracer::target::Target;
 
 /// How long memptrace may go without a heartbeat before the probes of an
 /// attached process count it as gone. Its wait loop beats every 100 ms
@@ -39,7 +39,7 @@ const ALIVE: Duration = Duration::from_secs(1);
 /// The age of a heartbeat, in counter ticks, at which the probes count
 /// memptrace as gone: attached (`attached`) with jump probes (a counter
 /// `tsc`) only; 0: never.
-pub(super) fn alive_ticks(tsc: Option<&TscClock>, attached: bool) -> u64 {
+pub(in crate::tracer) fn alive_ticks(tsc: Option<&TscClock>, attached: bool) -> u64 {
     match (tsc, attached) {
         (Some(clock), true) => clock.ticks_in(ALIVE).max(1),
         _ => 0,
@@ -49,7 +49,7 @@ pub(super) fn alive_ticks(tsc: Option<&TscClock>, attached: bool) -> u64 {
 impl TraceStats {
     /// Calls the probes let through while memptrace did not answer: a
     /// warning.
-    pub(super) fn warn_let_through(&mut self) {
+    pub(in crate::tracer) fn warn_let_through(&mut self) {
         let n = self.let_through;
         if n > 0 {
             self.warnings.push(format!(

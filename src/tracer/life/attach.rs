@@ -14,16 +14,16 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::life::Life;
-use super::pauses::PauseClock;
-use super::process::{Process, Role};
-use super::space::Space;
-use super::space::images::Ahead;
-use super::stop::Stopped;
-use super::stopping::Stopping;
-use super::target::{Live, Target};
-use super::{Control, Progress, TraceError, TraceOptions, Tracer};
 use crate::os::ptrace::{self, Tid};
+use crate::tracer::life::Life;
+use crate::tracer::life::pauses::PauseClock;
+use crate::tracer::life::stopping::Stopping;
+use crate::tracer::process::{Process, Role};
+use crate::tracer::space::Space;
+use crate::tracer::space::images::Ahead;
+use crate::tracer::stop::Stopped;
+use crate::tracer::target::{Live, Target};
+use crate::tracer::{Control, Progress, TraceError, TraceOptions, Tracer};
 use crate::unwind::pipeline::PipelineHandle;
 
 /// How a thread stopped by the attach goes on.
@@ -39,7 +39,7 @@ enum Resume {
 /// [`Tracer::attach`]). On return every thread runs again (or stays in the
 /// group-stop it was found in) and the wait loop takes over. On error
 /// nothing of the process was changed and every thread seized is detached.
-pub(super) fn attach(
+pub(in crate::tracer) fn attach(
     opts: TraceOptions,
     pipeline: PipelineHandle,
     pid: Tid,
@@ -106,7 +106,9 @@ fn hook_stopped(
     ahead: Ahead,
 ) -> Result<(), TraceError> {
     let mut pause = PauseClock::start("attach");
-    let resume = tracer.life().stop_all(pid, seized, super::PATIENCE)?;
+    let resume = tracer
+        .life()
+        .stop_all(pid, seized, crate::tracer::PATIENCE)?;
     pause.lap("stop");
     let worker = tracer.life().worker(pid, &resume)?;
     let arrived = tracer.life().hook(pid, worker, ahead)?;
@@ -388,7 +390,7 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
 /// Detach threads seized but never stopped (PTRACE_DETACH needs a stop).
 fn release(target: &mut impl Target, seized: &[Tid]) {
     for &tid in seized {
-        super::detach::detach_running(target, tid);
+        crate::tracer::life::detach::detach_running(target, tid);
     }
 }
 

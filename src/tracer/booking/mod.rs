@@ -6,16 +6,22 @@
 //! the traced processes (`Family`) and the trace's counts (`TraceStats`) is
 //! handed to it by the caller.
 
+pub(super) mod copies;
+pub(super) mod ledger;
+pub(super) mod merge;
+pub(super) mod outbox;
+pub(super) mod rings;
+
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::TraceOptions;
-use super::ledger::{CallFacts, Ledger};
-use super::merge::TscClock;
-use super::outbox::Outbox;
-use super::probes::jump::control::{Damaged, Record};
-use super::probes::jump::layout::{Called, record};
-use super::process::{Family, PendingCall, Thread};
+use crate::tracer::TraceOptions;
+use crate::tracer::booking::ledger::{CallFacts, Ledger};
+use crate::tracer::booking::merge::TscClock;
+use crate::tracer::booking::outbox::Outbox;
+use crate::tracer::probes::jump::control::{Damaged, Record};
+use crate::tracer::probes::jump::layout::{Called, record};
+use crate::tracer::process::{Family, PendingCall, Thread};
 
 use crate::event::Op;
 use crate::os::procfs;
@@ -226,7 +232,7 @@ impl Booking {
     pub fn for_tests(tsc: Option<TscClock>) -> (Booking, crate::queue::Receiver<Vec<TraceMsg>>) {
         let (tx, rx) = crate::queue::bounded(16, |_| 1);
         let opts = TraceOptions {
-            probes: super::ProbeMode::Int3,
+            probes: crate::tracer::ProbeMode::Int3,
             max_depth: 8,
             unwinder: Default::default(),
             stacks: false,

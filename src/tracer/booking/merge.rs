@@ -1,6 +1,6 @@
 //! The order of what the jump probes recorded: every record carries the
 //! sequence number its probe took from the address space's counter just
-//! before it committed it (see [`super::rings`]), so the records read from
+//! before it committed it (see [`crate::tracer::booking::rings`]), so the records read from
 //! all the rings of a space, sorted by number, are the calls in the order
 //! they took effect. [`Merge`] holds back what comes after a number not
 //! seen yet, and lets a hole go after [`GAP_PATIENCE`] or once every
@@ -15,10 +15,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::probes::jump::control::{Control, Damaged, Pulled};
-use super::probes::jump::decode;
-use super::probes::jump::layout::Called;
 use crate::os::local;
+use crate::tracer::probes::jump::control::{Control, Damaged, Pulled};
+use crate::tracer::probes::jump::decode;
+use crate::tracer::probes::jump::layout::Called;
 
 /// The rings of one address space, as the merge reads them.
 pub trait Rings {

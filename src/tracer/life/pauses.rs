@@ -23,7 +23,7 @@ pub struct Pause {
 }
 
 /// A pause being timed.
-pub(super) struct PauseClock {
+pub(in crate::tracer) struct PauseClock {
     kind: &'static str,
     start: Instant,
     last: Instant,
@@ -32,7 +32,7 @@ pub(super) struct PauseClock {
 
 impl PauseClock {
     /// Start timing a pause now: the first thread is about to be stopped.
-    pub(super) fn start(kind: &'static str) -> PauseClock {
+    pub(in crate::tracer) fn start(kind: &'static str) -> PauseClock {
         let now = Instant::now();
         PauseClock {
             kind,
@@ -43,14 +43,14 @@ impl PauseClock {
     }
 
     /// The phase `name` ends now.
-    pub(super) fn lap(&mut self, name: &'static str) {
+    pub(in crate::tracer) fn lap(&mut self, name: &'static str) {
         let now = Instant::now();
         self.phases.push((name, now - self.last));
         self.last = now;
     }
 
     /// Every thread runs again: the pause ends at the last lap.
-    pub(super) fn finish(self) -> Pause {
+    pub(in crate::tracer) fn finish(self) -> Pause {
         Pause {
             kind: self.kind,
             total: self.last - self.start,

@@ -13,9 +13,9 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use super::leave::{self, Pending};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::tracer::inject::InjectError;
+use crate::tracer::life::detach::leave::{self, Pending};
 use crate::tracer::process::Family;
 use crate::tracer::space::{Space, SpaceError};
 use crate::tracer::stop::Stopped;

@@ -4,7 +4,7 @@
 use super::*;
 use crate::os::ptrace::Stop;
 use crate::tracer::PATIENCE;
-use crate::tracer::life_tests::Rig;
+use crate::tracer::life::tests::Rig;
 use crate::tracer::process::Thread;
 use crate::tracer::space::fake::PID;
 use crate::tracer::target::fake::{Call, FakeTarget};
@@ -210,7 +210,7 @@ fn the_leader_exiting_while_stopped_ends_the_attach() {
     assert!(matches!(err, TraceError::NoSuchProcess(PID)), "{err}");
     // The thread stopped before is held, with its signal, to be let go.
     assert_eq!(rig.control.held, HashMap::from([(PID + 1, libc::SIGUSR1)]));
-    assert_eq!(rig.control.ending, Some(super::super::Ending::Exited(3)));
+    assert_eq!(rig.control.ending, Some(crate::tracer::Ending::Exited(3)));
 }
 
 #[test]

@@ -8,20 +8,21 @@
 //! and loses the pages before it runs a single instruction; followed, it gets
 //! a copy of its parent's [`Space`] with modules of its own.
 
-use super::life::Life;
-use super::process::{Child, Family, Process, Role, Thread};
-use super::space::Space;
-use super::target::Target;
-use super::{TraceError, detach, failopen};
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::trace_msg::TraceMsg;
+use crate::tracer::TraceError;
+use crate::tracer::life::Life;
+use crate::tracer::life::{detach, failopen};
+use crate::tracer::process::{Child, Family, Process, Role, Thread};
+use crate::tracer::space::Space;
+use crate::tracer::target::Target;
 
 /// Children are a lifecycle step: they run on the [`Life`] view.
 impl<T: Target> Life<'_, T> {
     /// A clone/fork/vfork event: learn what the child is. Its first stop may
     /// already have arrived (then it is adopted now) or may come later.
     /// `stopped`: adopt it without resuming it (while detaching).
-    pub(super) fn announce_child(
+    pub(in crate::tracer) fn announce_child(
         &mut self,
         tid: Tid,
         event: i32,
@@ -60,7 +61,12 @@ impl<T: Target> Life<'_, T> {
     }
 
     /// The first stop of an announced child.
-    pub(super) fn adopt(&mut self, tid: Tid, child: Child, first: Stop) -> Result<(), TraceError> {
+    pub(in crate::tracer) fn adopt(
+        &mut self,
+        tid: Tid,
+        child: Child,
+        first: Stop,
+    ) -> Result<(), TraceError> {
         match child {
             Child::Thread { pid } => {
                 self.book.add_thread(self.family, tid, pid);

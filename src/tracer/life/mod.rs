@@ -7,16 +7,28 @@
 //! how the trace is going (`Control`), and the target. It leaves out the
 //! heap maps, which are read once the threads are let go.
 
-use super::booking::Booking;
-use super::failopen;
-use super::images::Images;
-use super::process::Family;
-use super::space::Catch;
-use super::stops::Stops;
-use super::target::Target;
-use super::{Control, Ending, TraceError, TraceOptions, TraceStats};
+pub(super) mod attach;
+pub(super) mod children;
+#[cfg(test)]
+mod children_tests;
+pub(super) mod detach;
+pub(super) mod dying;
+pub(super) mod failopen;
+pub(super) mod failure;
+pub mod pauses;
+pub(super) mod stopping;
+#[cfg(test)]
+mod tests;
+
 use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::TraceMsg;
+use crate::tracer::booking::Booking;
+use crate::tracer::images::Images;
+use crate::tracer::process::Family;
+use crate::tracer::space::Catch;
+use crate::tracer::stops::Stops;
+use crate::tracer::target::Target;
+use crate::tracer::{Control, Ending, TraceError, TraceOptions, TraceStats};
 
 /// The parts a lifecycle step concerns, borrowed for one step.
 pub(super) struct Life<'a, T: Target> {
@@ -30,7 +42,7 @@ pub(super) struct Life<'a, T: Target> {
 }
 
 impl<T: Target> Life<'_, T> {
-    /// The parts images concern (see [`super::images`]).
+    /// The parts images concern (see [`crate::tracer::images`]).
     pub fn images(&mut self) -> Images<'_> {
         Images {
             opts: self.opts,
@@ -41,7 +53,7 @@ impl<T: Target> Life<'_, T> {
     }
 
     /// The age of a heartbeat at which the probes count memptrace as gone
-    /// (see [`super::failopen`]).
+    /// (see [`crate::tracer::life::failopen`]).
     pub fn alive_ticks(&self) -> u64 {
         failopen::alive_ticks(self.book.tsc.as_ref(), self.control.attached)
     }

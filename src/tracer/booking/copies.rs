@@ -20,16 +20,16 @@
 
 use std::io;
 
-use super::booking::Booking;
-use super::process::Family;
-use super::target::Target;
-use super::{TraceOptions, TraceStats};
 use crate::os::ptrace::{Stop, Tid};
 use crate::trace_msg::{CallStack, StackSample, TraceMsg};
+use crate::tracer::booking::Booking;
+use crate::tracer::process::Family;
+use crate::tracer::target::Target;
+use crate::tracer::{TraceOptions, TraceStats};
 
 /// A stack copy asked of a thread and not taken yet.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct PendingCopy {
+pub(in crate::tracer) struct PendingCopy {
     pub buffer: usize,
     pub seq: u64,
     pub len: usize,
@@ -44,20 +44,20 @@ pub(super) struct PendingCopy {
 /// Where the copy goes: the stack of the thread's pending call, or that of
 /// the call with this message number in the outbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum CopyInto {
+pub(in crate::tracer) enum CopyInto {
     Call,
     Batch(u64),
 }
 
 /// Whether threads copy their own stacks in this trace: with framehop,
 /// and with `--no-stacks` (the return address alone).
-pub(super) fn wanted(opts: &TraceOptions) -> bool {
+pub(in crate::tracer) fn wanted(opts: &TraceOptions) -> bool {
     !opts.stacks || opts.unwinder == crate::unwind::UnwinderKind::Framehop
 }
 
 /// The sample of a call whose thread copies its own stack: everything but
 /// the bytes, which the copy adds when it is settled.
-pub(super) fn awaited_sample(sp: u64, bp: u64) -> CallStack {
+pub(in crate::tracer) fn awaited_sample(sp: u64, bp: u64) -> CallStack {
     CallStack::Sample(StackSample {
         ip: 0,
         sp: sp + 8,
@@ -267,8 +267,8 @@ mod tests {
     use crate::os::shared;
     use crate::os::shared::SharedMemory;
     use crate::queue::Receiver;
-    use crate::tracer::ledger::CallFacts;
-    use crate::tracer::outbox::Outbox;
+    use crate::tracer::booking::ledger::CallFacts;
+    use crate::tracer::booking::outbox::Outbox;
     use crate::tracer::process::{PendingCall, Process, Role, Thread};
     use crate::tracer::space::buffers::{BUFFER_STRIDE, BUFFERS, COPY_HEADER, StackBuffers};
     use crate::tracer::space::fake;

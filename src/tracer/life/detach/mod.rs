@@ -14,17 +14,18 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
-use super::life::Life;
-use super::pauses::PauseClock;
-use super::process::{Family, Role};
-use super::space::Space;
-use super::stopping::Stopping;
-use super::target::Target;
-use super::{TraceError, TraceStats};
 use crate::os::ptrace::{Stop, Tid};
+use crate::tracer::life::Life;
+use crate::tracer::life::pauses::PauseClock;
+use crate::tracer::life::stopping::Stopping;
+use crate::tracer::process::{Family, Role};
+use crate::tracer::space::Space;
+use crate::tracer::target::Target;
+use crate::tracer::{TraceError, TraceStats};
 
 #[cfg(test)]
 mod detach_tests;
+mod jumps;
 mod leave;
 mod release;
 
@@ -33,7 +34,7 @@ use release::Release;
 /// What a detach leaves once every thread it stopped is let go: the heaps
 /// to map (the tracer's, which [`Life`] does not hold), then the threads
 /// that had not stopped, let go as each stops ([`Life::finish_detach`]).
-pub(super) struct Detached {
+pub(in crate::tracer) struct Detached {
     /// The traced processes, whose heaps are mapped now they run again.
     pub heaps: Vec<Tid>,
     later: Vec<(Tid, Tid)>,
@@ -42,13 +43,13 @@ pub(super) struct Detached {
 
 /// Detach a running thread that memptrace no longer wants: interrupt it, wait
 /// for that stop, detach. Other threads' stops stay queued.
-pub(super) fn detach_running(target: &mut impl Target, tid: Tid) {
+pub(in crate::tracer) fn detach_running(target: &mut impl Target, tid: Tid) {
     if target.interrupt(tid).is_err() {
         return;
     }
     // Bounded: a thread that never stops (uninterruptible sleep) is left
     // to the kernel, which lets it go when memptrace exits.
-    let deadline = Instant::now() + super::PATIENCE;
+    let deadline = Instant::now() + crate::tracer::PATIENCE;
     match target.wait_tid_until(tid, deadline) {
         Ok(Some(stop @ (Stop::Exited(_) | Stop::Killed { .. }))) => {
             target.keep_for_later(tid, stop);
@@ -89,7 +90,7 @@ impl<T: Target> Life<'_, T> {
     /// calls held back for the attach's inventory must be booked before.
     pub fn detach_all(&mut self) -> Result<Detached, TraceError> {
         let mut pause = PauseClock::start("detach");
-        super::dying::detaching();
+        crate::tracer::life::dying::detaching();
         let mut waiting: HashSet<Tid> = HashSet::new();
         let mut deliver: HashMap<Tid, i32> = HashMap::new();
         // Threads already stopped (an attach that failed) report nothing
@@ -124,8 +125,8 @@ impl<T: Target> Life<'_, T> {
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(_) => continue,
-                Stopping::Nothing if progress.elapsed() < super::PATIENCE => {
-                    if kicked.elapsed() >= super::PATIENCE / 8 {
+                Stopping::Nothing if progress.elapsed() < crate::tracer::PATIENCE => {
+                    if kicked.elapsed() >= crate::tracer::PATIENCE / 8 {
                         // A thread between two states (leaving a system
                         // call, a group-stop) is asked again.
                         for &tid in &waiting {

@@ -7,9 +7,9 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::*;
 use crate::os::ptrace::{self, Stop};
-use crate::tracer::life_tests::Rig;
+use crate::tracer::life::detach::*;
+use crate::tracer::life::tests::Rig;
 use crate::tracer::space::fake::{FakeSpace, PID};
 use crate::tracer::target::fake::{Call, FakeTarget};
 

@@ -3,11 +3,11 @@
 //! hook cannot tell them apart; the call instruction can (see
 //! [`crate::symbols::callsite`]).
 
-use super::space::images::LoadedModule;
 use crate::addr::Avma;
 use crate::event::Op;
 use crate::memory::Memory;
 use crate::symbols::callsite::{CallTarget, call_before, plt_slot};
+use crate::tracer::space::images::LoadedModule;
 
 /// Which of `ops` (names sharing one address) the call that returns to
 /// `ret` used: the symbol of the GOT slot it called through, directly or by

@@ -23,10 +23,10 @@
 
 use std::io;
 
-use super::process::{Family, PendingCall, Thread};
-use super::stop::is_stopping_signal;
-use super::target::Target;
 use crate::os::ptrace::{self, Tid};
+use crate::tracer::process::{Family, PendingCall, Thread};
+use crate::tracer::stop::is_stopping_signal;
+use crate::tracer::target::Target;
 
 /// si_code of the stop at a handler's first instruction after a step
 /// into a signal (`ptrace_notify(SIGTRAP)`).
