@@ -87,6 +87,11 @@ pub fn run(config: Config) -> Result<i32, Error> {
 }
 
 fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
+    // Signals first (blocked until the tracer waits for stops), threads
+    // after: the threads inherit the blocked mask, and no Ctrl-C or SIGTERM
+    // kills memptrace while it makes the database (it would leave one
+    // without its meta rows).
+    signals::install()?;
     let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     let program = program::resolve(&args[0])?;
     program::check(&program)?;
@@ -96,9 +101,6 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
         .collect::<Vec<_>>()
         .join(" ");
     let sink = start_output(&config, &command, "launch")?;
-
-    // Signals first, threads after: the threads inherit the blocked mask.
-    signals::install()?;
     let child = match launch::spawn(&program, &args) {
         Ok(child) => child,
         Err(err) => {
@@ -156,6 +158,8 @@ fn launch(config: TraceConfig, args: Vec<OsString>) -> Result<i32, Error> {
 }
 
 fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i32, Error> {
+    // As at a launch: no signal kills memptrace while it makes the database.
+    signals::install()?;
     let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
@@ -169,7 +173,6 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     }
     let command = procfs::cmdline(pid).unwrap_or_default();
     let sink = start_output(&config, &command, "attach")?;
-    signals::install()?;
     let recording = Recording::start(sink, pid, &config, wrappers)?;
     // Ctrl-C, SIGTERM and the tick are live while attaching too: an attach
     // that cannot finish gives up and lets the process go.

@@ -113,3 +113,73 @@ fn attach_cycles_on_static_and_musl_builds() {
     cycles(Variant::Static, "vfork", 6);
     cycles(Variant::Musl, "clone3", 6);
 }
+
+/// SIGTERM at any moment of an attach, from memptrace's first instructions
+/// to the running trace: memptrace ends with a whole trace (its end rows in
+/// `meta`) or with none, the attach given up in one line, and the process
+/// unharmed either way. Killed by the signal, as any program is, only
+/// before it has made anything. (Before the fix, a SIGTERM while the
+/// database was being made killed memptrace and left a database with a
+/// rollback journal and no `meta` table.)
+#[test]
+fn a_signal_at_any_moment_of_an_attach_leaves_a_whole_trace_or_none() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut spawner = Background::start(
+        std::process::Command::new(tracee(Variant::Dynamic, "spawner")).arg("pthread"),
+    );
+    let pid: i32 = spawner.wait_for("ready").parse().unwrap();
+    let dir = scratch("lifecycle-any-moment");
+    let delays_ms = [0, 1, 2, 4, 8, 15, 30, 60, 120, 250, 500];
+    for (cycle, delay) in delays_ms.into_iter().enumerate() {
+        let db = dir.join(format!("{cycle}.db"));
+        let tracer = Background::start(
+            memptrace()
+                .args(["attach", &pid.to_string(), "-o"])
+                .arg(&db),
+        );
+        std::thread::sleep(std::time::Duration::from_millis(delay));
+        tracer.signal(libc::SIGTERM);
+        let out = tracer.finish();
+        let what = format!("SIGTERM after {delay} ms: {:?} {}", out.status, out.stderr);
+        for leftover in ["db-journal", "db-wal"] {
+            assert!(!db.with_extension(leftover).exists(), "{leftover}: {what}");
+        }
+        match out.status.code() {
+            None => {
+                assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{what}");
+                assert!(!db.exists(), "killed after making a database: {what}");
+            }
+            Some(0) => {
+                let trace = rusqlite::Connection::open(&db).unwrap();
+                let meta = |key: &str| -> Option<String> {
+                    trace
+                        .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+                        .ok()
+                };
+                assert!(meta("ended_at").is_some(), "{what}");
+                assert_eq!(
+                    meta("end_reason").as_deref(),
+                    Some("detached: memptrace received SIGTERM"),
+                    "{what}"
+                );
+            }
+            Some(1) => {
+                assert_eq!(out.stderr.lines().count(), 1, "{what}");
+                assert!(out.stderr.contains("given up"), "{what}");
+                assert!(!db.exists(), "a database for an attach given up: {what}");
+            }
+            Some(_) => panic!("{what}"),
+        }
+        assert_eq!(
+            proc_status(pid, "TracerPid").as_deref(),
+            Some("0"),
+            "{what}"
+        );
+        assert_eq!(trampoline_pages(pid), Vec::<String>::new(), "{what}");
+    }
+    spawner.signal(libc::SIGTERM);
+    let out = spawner.finish();
+    assert_eq!(out.stderr, "", "the spawner found damage");
+    assert!(out.stdout.contains("\n0 damaged\n"), "{}", out.stdout);
+    assert_eq!(out.code(), 0, "{}", out.stdout);
+}
