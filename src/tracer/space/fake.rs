@@ -11,6 +11,7 @@ use super::buffers::StackBuffers;
 use super::images::LoadedModule;
 use super::{Catch, Changes, Probing, Space};
 use crate::addr::{LoadBias, Svma};
+use crate::os::procfs::Mapping;
 use crate::os::ptrace::Tid;
 use crate::symbols::elf::ElfImage;
 use crate::tracer::target::fake::FakeMemory;
@@ -98,6 +99,21 @@ impl FakeSpace {
             module,
             code,
         }
+    }
+
+    /// The C library's mapping as `/proc/PID/maps` lists it: one
+    /// executable mapping of the file over the whole image.
+    pub fn maps(&self) -> Vec<Mapping> {
+        vec![Mapping {
+            start: self.module.range.start,
+            end: self.module.range.end,
+            read: true,
+            write: false,
+            exec: true,
+            offset: 0,
+            inode: self.module.inode,
+            path: self.module.path.clone(),
+        }]
     }
 
     /// Hook the C library as a refresh does (allocator and mapping

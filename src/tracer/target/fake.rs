@@ -14,12 +14,15 @@ use std::time::Instant;
 
 use super::{CodeMemory, Target};
 use crate::memory::Memory;
+use crate::os::procfs::Mapping;
 use crate::os::ptrace::{Regs, Stop, Tid, zeroed_regs};
 
-/// The memory of one fake address space: regions of bytes by start.
+/// The memory of one fake address space: regions of bytes by start, and
+/// the memory map it says it has (set by the test; none at first).
 #[derive(Clone, Debug, Default)]
 pub struct FakeMemory {
     regions: Rc<RefCell<BTreeMap<u64, Vec<u8>>>>,
+    maps: Rc<RefCell<Vec<Mapping>>>,
 }
 
 impl FakeMemory {
@@ -37,6 +40,11 @@ impl FakeMemory {
         assert!(!clash, "fake regions overlap at {addr:#x}");
         drop(regions);
         self.regions.borrow_mut().insert(addr, bytes);
+    }
+
+    /// From now on the space's memory map is `maps`.
+    pub fn set_maps(&self, maps: Vec<Mapping>) {
+        *self.maps.borrow_mut() = maps;
     }
 
     /// `len` bytes at `addr`, which must be mapped.
@@ -86,6 +94,10 @@ impl CodeMemory for FakeMemory {
         let region = regions.get_mut(&start).expect("located");
         region[offset..offset + bytes.len()].copy_from_slice(bytes);
         Ok(())
+    }
+
+    fn maps(&self) -> io::Result<Vec<Mapping>> {
+        Ok(self.maps.borrow().clone())
     }
 }
 
