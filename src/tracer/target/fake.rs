@@ -148,6 +148,12 @@ pub struct FakeTarget {
     pub events: HashMap<Tid, (i32, u64)>,
     /// Signals queued for a thread and not reported yet (`SigPnd`).
     pub queued: HashSet<(Tid, i32)>,
+    /// Where a thread let run is found at its next stop (the place it ran
+    /// to); one not listed here stands where it was (it runs nothing).
+    pub runs_to: HashMap<Tid, u64>,
+    /// Threads a PTRACE_INTERRUPT never stops (uninterruptible sleep, a
+    /// frozen cgroup): it is taken, and no stop follows.
+    pub stuck: HashSet<Tid>,
     /// A wait with nothing to report is woken by memptrace's tick
     /// (`Ok(None)`), as while a traced thread runs on without stopping,
     /// instead of failing with ECHILD (no traced thread left).
@@ -227,7 +233,13 @@ impl Target for FakeTarget {
     }
 
     fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
-        self.stopped(tid)?.stopped = false;
+        let ran_to = self.runs_to.get(&tid).copied();
+        let thread = self.stopped(tid)?;
+        thread.stopped = false;
+        if let Some(rip) = ran_to {
+            thread.regs.rip = rip;
+            self.runs_to.remove(&tid);
+        }
         self.calls.push(Call::Cont(tid, sig));
         Ok(())
     }
@@ -254,7 +266,7 @@ impl Target for FakeTarget {
             .get_mut(&tid)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
         // A running thread stops and reports it; a stopped one already has.
-        if !thread.stopped {
+        if !thread.stopped && !self.stuck.contains(&tid) {
             thread.stopped = true;
             self.pending
                 .push_back((tid, Stop::EventStop(libc::SIGTRAP)));
