@@ -209,6 +209,11 @@ impl CodeWriter {
         Ok(CodeWriter { file, pid })
     }
 
+    /// The process whose memory this is.
+    pub fn pid(&self) -> Tid {
+        self.pid
+    }
+
     pub fn write(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
         self.file
             .write_all_at(bytes, addr)

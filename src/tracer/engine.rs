@@ -227,14 +227,14 @@ impl Tracer {
     /// the threads run again.
     pub(super) fn detach_all(&mut self) -> Result<(), TraceError> {
         self.finish_inventory(true);
-        let detached = self.life().detach_all()?;
+        let detached = self.life().detach_all(super::PATIENCE)?;
         self.after_detach(detached);
         Ok(())
     }
 
     /// Let go the threads an attach stopped (see [`super::life::detach`]).
     pub(super) fn let_go_held(&mut self) -> Result<(), TraceError> {
-        let detached = self.life().let_go_held()?;
+        let detached = self.life().let_go_held(super::PATIENCE)?;
         self.after_detach(detached);
         Ok(())
     }
@@ -245,7 +245,7 @@ impl Tracer {
         let heaps = std::mem::take(&mut detached.heaps);
         self.heaps
             .map_heaps_after_detach(&mut self.book, &mut self.stats, heaps);
-        self.life().finish_detach(detached);
+        self.life().finish_detach(detached, super::DETACH_PATIENCE);
     }
 
     /// A stop of a thread we do not know yet: a new thread or child whose

@@ -111,7 +111,9 @@ fn hook_stopped(
         .stop_all(pid, seized, crate::tracer::PATIENCE)?;
     pause.lap("stop");
     let worker = tracer.life().worker(pid, &resume)?;
-    let arrived = tracer.life().hook(pid, worker, ahead)?;
+    let mut space = Space::new(pid, tracer.life().catch())?;
+    space.ahead = ahead;
+    let arrived = tracer.life().hook(pid, worker, space)?;
     pause.lap("hook");
     // Only the copy of the heap needs the program stopped: the walk of
     // the copy and the inventory come once it runs again.
@@ -159,12 +161,11 @@ impl<T: Target> Life<'_, T> {
             .ok_or(TraceError::NoSuchProcess(pid))
     }
 
-    /// Hook process `pid`'s images, `worker` running the injected calls:
-    /// the signals it received meanwhile, to be delivered when it resumes.
-    fn hook(&mut self, pid: Tid, worker: Tid, ahead: Ahead) -> Result<Vec<i32>, TraceError> {
-        let catch = self.catch();
-        let mut space = Space::new(pid, catch)?;
-        space.ahead = ahead;
+    /// Hook process `pid`'s images in `space`, made for it (its calls
+    /// caught as [`Life::catch`] says), `worker` running the injected
+    /// calls: the signals it received meanwhile, to be delivered when it
+    /// resumes.
+    fn hook(&mut self, pid: Tid, worker: Tid, space: Space) -> Result<Vec<i32>, TraceError> {
         if let Some(process) = self.family.processes.get_mut(&pid) {
             process.space = Some(space);
         }

@@ -1,12 +1,15 @@
 //! Attaching on a fake target: seizing every thread, stopping them all,
-//! the thread that runs the injected calls, and letting each go as it was.
+//! the thread that runs the injected calls, hooking the images, and
+//! letting each go as it was.
 
 use super::*;
 use crate::os::ptrace::Stop;
+use crate::trace_msg::TraceMsg;
 use crate::tracer::PATIENCE;
 use crate::tracer::life::tests::Rig;
 use crate::tracer::process::Thread;
-use crate::tracer::space::fake::PID;
+use crate::tracer::space::fake::{BASE, FakeSpace, PID};
+use crate::tracer::space::images::image_mappings;
 use crate::tracer::target::fake::{Call, FakeTarget};
 
 fn seized(fake: &FakeTarget) -> Vec<Tid> {
@@ -360,4 +363,104 @@ fn a_group_stopped_worker_gets_the_signals_that_arrived_queued() {
         [Call::Tgkill(PID, libc::SIGCHLD), Call::Listen(PID)]
     );
     assert!(rig.target.threads[&PID].stopped, "still in its group-stop");
+}
+
+/// The C library in a new int3 space of the rig's process, not hooked
+/// yet: its memory map lists the library, whose image was read ahead.
+/// The rig's process has no space until the hook gives it this one.
+fn new_space(rig: &mut Rig) -> FakeSpace {
+    let mut fake = FakeSpace::libc(true);
+    fake.space.modules.clear();
+    let maps = fake.maps();
+    fake.mem.set_maps(maps.clone());
+    let f = &image_mappings(&maps)[0];
+    fake.space.ahead = Ahead::of(f, fake.module.image.clone());
+    rig.family.processes.get_mut(&PID).expect("the rig's").space = None;
+    fake
+}
+
+/// The addresses of the bytes of `fake`'s image changed, each checked
+/// to be an int3.
+fn int3s(fake: &FakeSpace) -> HashSet<u64> {
+    let mut at = HashSet::new();
+    for (start, orig) in &fake.code {
+        let now = fake.mem.bytes(*start, orig.len());
+        for (i, (&was, &is)) in orig.iter().zip(&now).enumerate() {
+            if was != is {
+                assert_eq!(is, 0xcc, "at {:#x}", start + i as u64);
+                at.insert(start + i as u64);
+            }
+        }
+    }
+    at
+}
+
+#[test]
+fn the_images_are_hooked_with_what_was_read_ahead_and_counted() {
+    let mut rig = Rig::new(&[PID]);
+    let mut fake = new_space(&mut rig);
+    let space = std::mem::replace(&mut fake.space, FakeSpace::libc(false).space);
+    let arrived = rig.life().hook(PID, PID, space).unwrap();
+    assert!(arrived.is_empty());
+    // As many allocator functions as the library has, hooked the way a
+    // refresh hooks them.
+    let mut reference = FakeSpace::libc(true);
+    reference.hook();
+    let allocators = reference.space.hooks.allocators() as u64;
+    assert!(allocators > 0);
+    assert_eq!(rig.stats.hooked_functions, allocators);
+    assert_eq!(rig.stats.images, 1);
+    let space = rig.family.space_of(PID).expect("given to the process");
+    assert_eq!(space.hooks.allocators() as u64, allocators);
+    let module = &space.modules[&BASE];
+    assert!(Arc::ptr_eq(&module.image, &fake.module.image));
+    assert_eq!(module.bias, fake.module.bias);
+    // An int3 on each hooked entry and nowhere else; no thread was asked
+    // anything (the trampoline area was there: no injected call).
+    let entries: HashSet<u64> = space.hooks.iter().map(|h| h.addr).collect();
+    assert_eq!(int3s(&fake), entries);
+    assert!(rig.target.calls.is_empty(), "{:?}", rig.target.calls);
+    let sent = rig.sent();
+    assert!(
+        matches!(
+            &sent[..],
+            [TraceMsg::Trampolines { pid, .. }, TraceMsg::Image { record, .. }]
+                if *pid == PID as u32 && record.path == fake.module.path && record.start == BASE
+        ),
+        "{sent:?}"
+    );
+}
+
+#[test]
+fn a_process_without_an_allocator_cannot_be_traced() {
+    let mut rig = Rig::new(&[PID]);
+    let fake = FakeSpace::libc(true);
+    // No image in its memory map.
+    let err = rig.life().hook(PID, PID, fake.space).unwrap_err();
+    assert!(matches!(err, TraceError::NoAllocator(PID)), "{err}");
+    assert_eq!(rig.stats.hooked_functions, 0);
+    assert!(rig.target.calls.is_empty());
+    let code = FakeSpace::libc(true).code;
+    assert!(
+        code.iter()
+            .all(|(at, orig)| fake.mem.bytes(*at, orig.len()) == *orig)
+    );
+}
+
+#[test]
+fn a_space_a_seccomp_filter_kept_from_hooking_abandons_the_attach_saying_why() {
+    let mut rig = Rig::new(&[PID]);
+    let mut fake = FakeSpace::libc(true);
+    fake.space.refused = Some("mmap: Operation not permitted".to_string());
+    let err = rig.life().hook(PID, PID, fake.space).unwrap_err();
+    let TraceError::AttachAbandoned { pid, reason } = err else {
+        panic!("{err}");
+    };
+    assert_eq!(pid, PID);
+    assert_eq!(
+        reason,
+        "its allocator functions cannot be hooked without a system call its seccomp filter \
+         may refuse: mmap: Operation not permitted"
+    );
+    assert_eq!(rig.stats.hooked_functions, 0);
 }

@@ -29,7 +29,11 @@ impl Rig {
     /// int3s in a fake space, and threads `tids` (the leader among them),
     /// all seized and running.
     pub fn new(tids: &[Tid]) -> Rig {
-        let mut fake = FakeSpace::libc(true);
+        Rig::of(FakeSpace::libc(true), tids)
+    }
+
+    /// The same, the C library hooked in `fake` (as its probe mode says).
+    pub fn of(mut fake: FakeSpace, tids: &[Tid]) -> Rig {
         fake.hook();
         let mut target = FakeTarget::new();
         target.spaces.insert(PID, fake.mem.clone());

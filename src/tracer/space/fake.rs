@@ -9,9 +9,11 @@ use std::sync::{Arc, OnceLock};
 
 use super::buffers::StackBuffers;
 use super::images::LoadedModule;
-use super::{Catch, Changes, Probing, Space};
+use super::{Catch, Changes, Control, Probing, Space, layout};
 use crate::addr::{LoadBias, Svma};
+use crate::os::procfs::Mapping;
 use crate::os::ptrace::Tid;
+use crate::os::shared::{self, SharedMemory};
 use crate::symbols::elf::ElfImage;
 use crate::tracer::target::fake::FakeMemory;
 
@@ -22,6 +24,9 @@ pub const BASE: u64 = 0x7f10_0000_0000;
 /// The trampoline area: 1 MiB below the image.
 pub const AREA: u64 = BASE - (1 << 20);
 pub const AREA_LEN: u64 = 256 << 10;
+/// Where the jump probes' control area is in it (not in its memory: the
+/// probes' code, which reads it, is never run here).
+pub const CONTROL: u64 = AREA - layout::AREA_SIZE;
 
 /// The C library this test process runs on, parsed once.
 pub fn libc_image() -> Arc<ElfImage> {
@@ -98,6 +103,39 @@ impl FakeSpace {
             module,
             code,
         }
+    }
+
+    /// The C library in a jump-probe space of process [`PID`], not hooked
+    /// yet, its control area made: memptrace's side of it in the space,
+    /// and the probes' side, returned, for a test to write what the probes
+    /// would.
+    pub fn libc_jumps() -> (FakeSpace, SharedMemory) {
+        let mut fake = FakeSpace::libc(true);
+        let (ours, probes) = shared::pair_for_tests(layout::AREA_SIZE as usize).expect("a memfd");
+        let catch = Catch::Jump {
+            max_frames: 16,
+            alive_ticks: 0,
+        };
+        fake.space.probing = Probing::new(catch, || false);
+        fake.space
+            .probing
+            .install_control(Control::over(CONTROL, ours));
+        (fake, probes)
+    }
+
+    /// The C library's mapping as `/proc/PID/maps` lists it: one
+    /// executable mapping of the file over the whole image.
+    pub fn maps(&self) -> Vec<Mapping> {
+        vec![Mapping {
+            start: self.module.range.start,
+            end: self.module.range.end,
+            read: true,
+            write: false,
+            exec: true,
+            offset: 0,
+            inode: self.module.inode,
+            path: self.module.path.clone(),
+        }]
     }
 
     /// Hook the C library as a refresh does (allocator and mapping

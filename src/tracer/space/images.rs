@@ -130,6 +130,13 @@ impl Ahead {
         Ahead { images }
     }
 
+    /// `image`, read ahead for the mapping `f` (a test's: no unwind table).
+    #[cfg(test)]
+    pub fn of(f: &ImageMapping, image: Arc<ElfImage>) -> Ahead {
+        let images = HashMap::from([((f.start, f.inode), (image, None))]);
+        Ahead { images }
+    }
+
     /// The image read ahead for `f`, if the same file was there.
     pub fn image(&self, f: &ImageMapping) -> Option<Arc<ElfImage>> {
         let (image, _) = self.images.get(&(f.start, f.inode))?;

@@ -309,7 +309,7 @@ impl Space {
     /// Re-read the memory map; hook images that appeared, forget those gone.
     /// `tid` is a stopped thread of this space, used to map trampoline pages.
     pub fn refresh(&mut self, tid: Tid, next_id: &mut u64) -> io::Result<Changes> {
-        let maps = procfs::read_maps(self.pid)?;
+        let maps = self.mem.maps()?;
         let found = images::image_mappings(&maps);
         let mut changes = Changes::default();
 

@@ -14,12 +14,15 @@ use std::time::Instant;
 
 use super::{CodeMemory, Target};
 use crate::memory::Memory;
+use crate::os::procfs::Mapping;
 use crate::os::ptrace::{Regs, Stop, Tid, zeroed_regs};
 
-/// The memory of one fake address space: regions of bytes by start.
+/// The memory of one fake address space: regions of bytes by start, and
+/// the memory map it says it has (set by the test; none at first).
 #[derive(Clone, Debug, Default)]
 pub struct FakeMemory {
     regions: Rc<RefCell<BTreeMap<u64, Vec<u8>>>>,
+    maps: Rc<RefCell<Vec<Mapping>>>,
 }
 
 impl FakeMemory {
@@ -37,6 +40,11 @@ impl FakeMemory {
         assert!(!clash, "fake regions overlap at {addr:#x}");
         drop(regions);
         self.regions.borrow_mut().insert(addr, bytes);
+    }
+
+    /// From now on the space's memory map is `maps`.
+    pub fn set_maps(&self, maps: Vec<Mapping>) {
+        *self.maps.borrow_mut() = maps;
     }
 
     /// `len` bytes at `addr`, which must be mapped.
@@ -87,6 +95,10 @@ impl CodeMemory for FakeMemory {
         region[offset..offset + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
+
+    fn maps(&self) -> io::Result<Vec<Mapping>> {
+        Ok(self.maps.borrow().clone())
+    }
 }
 
 /// What was asked of the fake, in order.
@@ -136,6 +148,12 @@ pub struct FakeTarget {
     pub events: HashMap<Tid, (i32, u64)>,
     /// Signals queued for a thread and not reported yet (`SigPnd`).
     pub queued: HashSet<(Tid, i32)>,
+    /// Where a thread let run is found at its next stop (the place it ran
+    /// to); one not listed here stands where it was (it runs nothing).
+    pub runs_to: HashMap<Tid, u64>,
+    /// Threads a PTRACE_INTERRUPT never stops (uninterruptible sleep, a
+    /// frozen cgroup): it is taken, and no stop follows.
+    pub stuck: HashSet<Tid>,
     /// A wait with nothing to report is woken by memptrace's tick
     /// (`Ok(None)`), as while a traced thread runs on without stopping,
     /// instead of failing with ECHILD (no traced thread left).
@@ -215,7 +233,13 @@ impl Target for FakeTarget {
     }
 
     fn cont(&mut self, tid: Tid, sig: i32) -> io::Result<()> {
-        self.stopped(tid)?.stopped = false;
+        let ran_to = self.runs_to.get(&tid).copied();
+        let thread = self.stopped(tid)?;
+        thread.stopped = false;
+        if let Some(rip) = ran_to {
+            thread.regs.rip = rip;
+            self.runs_to.remove(&tid);
+        }
         self.calls.push(Call::Cont(tid, sig));
         Ok(())
     }
@@ -242,7 +266,7 @@ impl Target for FakeTarget {
             .get_mut(&tid)
             .ok_or_else(|| io::Error::from_raw_os_error(libc::ESRCH))?;
         // A running thread stops and reports it; a stopped one already has.
-        if !thread.stopped {
+        if !thread.stopped && !self.stuck.contains(&tid) {
             thread.stopped = true;
             self.pending
                 .push_back((tid, Stop::EventStop(libc::SIGTRAP)));

@@ -33,19 +33,26 @@ use std::time::Instant;
 
 use crate::memory::Memory;
 use crate::os::mem::{self, CodeWriter};
-use crate::os::procfs;
+use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::{self, Regs, Stop, Tid};
 
 /// One address space's memory as probes change it: read anything (code
-/// included, whatever its protection), write code.
+/// included, whatever its protection), write code, and say what is mapped
+/// where (the images to hook among it).
 pub trait CodeMemory: Memory {
     /// Write `bytes` at `addr` (code or data), all or fail.
     fn write_code(&self, addr: u64, bytes: &[u8]) -> io::Result<()>;
+    /// The space's memory map, as `/proc/PID/maps` gives it.
+    fn maps(&self) -> io::Result<Vec<Mapping>>;
 }
 
 impl CodeMemory for CodeWriter {
     fn write_code(&self, addr: u64, bytes: &[u8]) -> io::Result<()> {
         self.write(addr, bytes)
+    }
+
+    fn maps(&self) -> io::Result<Vec<Mapping>> {
+        Ok(procfs::read_maps(self.pid())?)
     }
 }
 

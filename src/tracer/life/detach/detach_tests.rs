@@ -6,12 +6,14 @@
 //! that is said.
 
 use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use crate::os::ptrace::{self, Stop};
 use crate::tracer::life::detach::*;
 use crate::tracer::life::tests::Rig;
 use crate::tracer::space::fake::{FakeSpace, PID};
 use crate::tracer::target::fake::{Call, FakeTarget};
+use crate::tracer::{DETACH_PATIENCE, PATIENCE};
 
 const T1: Tid = PID + 1;
 const T2: Tid = PID + 2;
@@ -41,9 +43,9 @@ impl Rig {
 
     /// Detach every thread as the tracer does, the heaps aside.
     fn detach_all(&mut self) -> Vec<Tid> {
-        let detached = self.life().detach_all().expect("detached");
+        let detached = self.life().detach_all(PATIENCE).expect("detached");
         let heaps = detached.heaps.clone();
-        self.life().finish_detach(detached);
+        self.life().finish_detach(detached, DETACH_PATIENCE);
         heaps
     }
 
@@ -183,7 +185,7 @@ fn threads_an_attach_held_go_with_their_signals_and_the_others_once_they_stop() 
         rig.target.threads.get_mut(&tid).unwrap().stopped = true;
     }
     rig.control.held = HashMap::from([(PID, 0), (T1, libc::SIGUSR2)]);
-    let detached = rig.life().let_go_held().unwrap();
+    let detached = rig.life().let_go_held(PATIENCE).unwrap();
     assert_eq!(detached.heaps, vec![PID]);
     // T2 had not stopped: it may stand in the pages, which stay.
     assert_eq!(
@@ -197,7 +199,7 @@ fn threads_an_attach_held_go_with_their_signals_and_the_others_once_they_stop() 
         sorted(vec![Call::Detach(PID, 0), Call::Detach(T1, libc::SIGUSR2)])
     );
     assert!(rig.code_is_back(PID));
-    rig.life().finish_detach(detached);
+    rig.life().finish_detach(detached, DETACH_PATIENCE);
     assert_eq!(rig.target.calls.last(), Some(&Call::Detach(T2, 0)));
     assert!(rig.control.held.is_empty());
     assert!(rig.family.threads.is_empty());
@@ -238,7 +240,7 @@ fn a_thread_inside_probe_code_is_run_and_stopped_again_until_the_deadline() {
     let mut keep_pages = HashSet::new();
     let running = rig
         .life()
-        .leave_jump_probes(&mut deliver, &mut keep_pages)
+        .leave_jump_probes(&mut deliver, &mut keep_pages, Duration::from_millis(50))
         .unwrap();
     // It never came out (the fake runs nothing): at the deadline it is
     // still inside, or was let run once more and not waited for (then it
@@ -265,4 +267,50 @@ fn a_thread_inside_probe_code_is_run_and_stopped_again_until_the_deadline() {
     assert!(deliver.is_empty());
     // The entries have their bytes back: no call enters a probe now.
     assert!(rig.code_is_back(PID));
+}
+
+#[test]
+fn a_thread_that_never_stops_is_given_up_and_the_others_go_with_their_code_back() {
+    let mut rig = Rig::new(&[PID, T1, T2]);
+    rig.no_syscall();
+    // T2 takes every interrupt and never stops (uninterruptible sleep);
+    // the waits are woken by memptrace's tick meanwhile.
+    rig.target.stuck.insert(T2);
+    rig.target.ticking = true;
+    rig.target.report(T1, Stop::Signal(libc::SIGUSR1));
+    let patience = Duration::from_millis(40);
+    let start = Instant::now();
+    let detached = rig.life().detach_all(patience).expect("detached");
+    // The others go, with their signals and their code back; T2 may stand
+    // in the trampoline pages, which stay (no munmap was even tried).
+    assert_eq!(
+        rig.detached(),
+        sorted(vec![Call::Detach(PID, 0), Call::Detach(T1, libc::SIGUSR1)])
+    );
+    assert!(rig.code_is_back(PID));
+    assert_eq!(
+        rig.stats.warnings,
+        [format!("process {PID}: trampoline pages left mapped")]
+    );
+    let asked = |rig: &Rig| {
+        (rig.target.calls.iter())
+            .filter(|c| **c == Call::Interrupt(T2))
+            .count()
+    };
+    // Asked again while the others were waited for.
+    let before = asked(&rig);
+    assert!(before > 1, "{:?}", rig.target.calls);
+    rig.life().finish_detach(detached, patience);
+    // Asked again and again, then given up, and said.
+    assert!(asked(&rig) > before);
+    assert!(start.elapsed() >= 2 * patience);
+    assert_eq!(
+        rig.stats.detach_left,
+        [format!(
+            "thread {T2} of process {PID} did not stop to be detached"
+        )]
+    );
+    assert!(!(rig.target.calls.iter()).any(|c| matches!(c, Call::Detach(T2, _))));
+    assert!(rig.family.threads.is_empty() && rig.family.processes.is_empty());
+    assert_eq!(rig.stats.pauses.len(), 1);
 }

@@ -22,15 +22,17 @@ impl<T: Target> Life<'_, T> {
     /// begun), and send every call still inside a function that a probe
     /// called straight back to its caller, as the int3 probes' stubs are
     /// (see `detach`). Signals that stopped a thread meanwhile go to
-    /// `deliver`. Returns the threads that were let run and did not stop
-    /// again (they stay traced until they do: see `detach_later`).
+    /// `deliver`; threads still inside after `patience` are left there, and
+    /// their pages kept. Returns the threads that were let run and did not
+    /// stop again (they stay traced until they do: see `detach_later`).
     pub(in crate::tracer) fn leave_jump_probes(
         &mut self,
         deliver: &mut HashMap<Tid, i32>,
         keep_pages: &mut HashSet<Tid>,
+        patience: Duration,
     ) -> Result<Vec<Tid>, TraceError> {
         self.book.drain_rings(self.family, self.stats, false);
-        let (inside, running) = self.run_out(deliver)?;
+        let (inside, running) = self.run_out(deliver, patience)?;
         for tid in inside.iter().chain(&running) {
             if let Some(owner) = self.family.owner_of(*tid) {
                 keep_pages.insert(owner);
@@ -89,15 +91,16 @@ impl<T: Target> Life<'_, T> {
     /// A thread stopped by a single step or an int3 sits in a SIGTRAP stop,
     /// which memptrace's death would turn into a SIGTRAP that kills the
     /// process; one stopped by PTRACE_INTERRUPT is let go unharmed.
-    /// Returns the threads still inside at the end of [`crate::tracer::PATIENCE`]
-    /// and those that were let run and did not stop again.
+    /// Returns the threads still inside at the end of `patience` and those
+    /// that were let run and did not stop again.
     fn run_out(
         &mut self,
         deliver: &mut HashMap<Tid, i32>,
+        patience: Duration,
     ) -> Result<(Vec<Tid>, Vec<Tid>), TraceError> {
         let mut inside = self.inside_probes()?;
         if crate::tracer::life::dying::wants_threads_in_probes() {
-            inside = self.until_some_thread_is_in_a_probe(inside, deliver)?;
+            inside = self.until_some_thread_is_in_a_probe(inside, deliver, patience)?;
         }
         *self.stats.in_probes_at_detach.get_or_insert(0) += inside.len() as u64;
         if inside.is_empty() {
@@ -109,7 +112,7 @@ impl<T: Target> Life<'_, T> {
             }
         }
         crate::tracer::life::dying::in_detach();
-        let deadline = Instant::now() + crate::tracer::PATIENCE;
+        let deadline = Instant::now() + patience;
         let mut run = RUN_OUT.0;
         while !inside.is_empty() && Instant::now() < deadline {
             let running = self.run_a_moment(&inside, run, true, deliver, deadline)?;
@@ -132,13 +135,14 @@ impl<T: Target> Life<'_, T> {
         &mut self,
         mut inside: Vec<Tid>,
         deliver: &mut HashMap<Tid, i32>,
+        patience: Duration,
     ) -> Result<Vec<Tid>, TraceError> {
         for _ in 0..1000 {
             if !inside.is_empty() {
                 break;
             }
             let all: Vec<Tid> = self.family.threads.keys().copied().collect();
-            let deadline = Instant::now() + crate::tracer::PATIENCE;
+            let deadline = Instant::now() + patience;
             if !self
                 .run_a_moment(&all, RUN_OUT.0, false, deliver, deadline)?
                 .is_empty()
@@ -248,3 +252,7 @@ impl<T: Target> Life<'_, T> {
         Ok(waiting.into_iter().collect())
     }
 }
+
+#[cfg(test)]
+#[path = "jumps_tests.rs"]
+mod tests;

@@ -12,7 +12,7 @@
 //! where no such place exists.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::os::ptrace::{Stop, Tid};
 use crate::tracer::life::Life;
@@ -67,8 +67,9 @@ pub(in crate::tracer) fn detach_running(target: &mut impl Target, tid: Tid) {
 /// Detaching is a lifecycle step: it runs on the [`Life`] view.
 impl<T: Target> Life<'_, T> {
     /// Detach the threads an attach stopped, putting back whatever was
-    /// planted; the threads that did not stop are left alone.
-    pub fn let_go_held(&mut self) -> Result<Detached, TraceError> {
+    /// planted; the threads that did not stop are left alone. `patience`:
+    /// how long threads in a jump probe's code may take to leave it.
+    pub fn let_go_held(&mut self, patience: Duration) -> Result<Detached, TraceError> {
         let held = std::mem::take(&mut self.control.held);
         let deliver = held
             .iter()
@@ -82,13 +83,14 @@ impl<T: Target> Life<'_, T> {
             .filter(|t| !held.contains_key(t))
             .copied()
             .collect();
-        self.restore_and_release(deliver, &stuck, &HashSet::new(), None)
+        self.restore_and_release(deliver, &stuck, &HashSet::new(), None, patience)
     }
 
     /// Stop every thread, settle each stop (see [`Life::settle_stopping`]),
     /// and let the threads go as [`Life::restore_and_release`] does. The
     /// calls held back for the attach's inventory must be booked before.
-    pub fn detach_all(&mut self) -> Result<Detached, TraceError> {
+    /// Stopping is given up when no thread stopped for `patience`.
+    pub fn detach_all(&mut self, patience: Duration) -> Result<Detached, TraceError> {
         let mut pause = PauseClock::start("detach");
         crate::tracer::life::dying::detaching();
         let mut waiting: HashSet<Tid> = HashSet::new();
@@ -125,8 +127,8 @@ impl<T: Target> Life<'_, T> {
             let (tid, stop) = match self.next_stop_while_stopping()? {
                 Stopping::Known(tid, stop) => (tid, stop),
                 Stopping::Adopted(_) => continue,
-                Stopping::Nothing if progress.elapsed() < crate::tracer::PATIENCE => {
-                    if kicked.elapsed() >= crate::tracer::PATIENCE / 8 {
+                Stopping::Nothing if progress.elapsed() < patience => {
+                    if kicked.elapsed() >= patience / 8 {
                         // A thread between two states (leaving a system
                         // call, a group-stop) is asked again.
                         for &tid in &waiting {
@@ -154,19 +156,22 @@ impl<T: Target> Life<'_, T> {
         }
         let late: HashSet<Tid> = waiting.difference(&stuck).copied().collect();
         pause.lap("stop");
-        self.restore_and_release(deliver, &stuck, &late, Some(pause))
+        self.restore_and_release(deliver, &stuck, &late, Some(pause), patience)
     }
 
     /// Put back what was changed, then detach every thread: return addresses,
     /// threads standing in a trampoline slot (moved to the same place in the
     /// original code), the int3 bytes, and last the trampoline pages.
-    /// `pause`: the detach's stop, timed from its start, to be ended here.
+    /// `pause`: the detach's stop, timed from its start, to be ended here;
+    /// `patience`: how long threads in a jump probe's code may take to
+    /// leave it.
     fn restore_and_release(
         &mut self,
         mut deliver: HashMap<Tid, i32>,
         stuck: &HashSet<Tid>,
         late: &HashSet<Tid>,
         mut pause: Option<PauseClock>,
+        patience: Duration,
     ) -> Result<Detached, TraceError> {
         let mut lap = |name| {
             if let Some(p) = pause.as_mut() {
@@ -194,7 +199,7 @@ impl<T: Target> Life<'_, T> {
         // Jump probes: every thread out of their code, every call in
         // progress sent back to its caller, every record read.
         for (tid, pid) in self
-            .leave_jump_probes(&mut deliver, &mut keep_pages)?
+            .leave_jump_probes(&mut deliver, &mut keep_pages, patience)?
             .into_iter()
             .filter_map(|tid| Some((tid, self.family.pid_of(tid)?)))
             .collect::<Vec<_>>()
@@ -220,9 +225,11 @@ impl<T: Target> Life<'_, T> {
     }
 
     /// The end of a detach, once the heaps are mapped: forget every thread
-    /// and process, and let go those that had not stopped as each stops.
-    pub fn finish_detach(&mut self, detached: Detached) {
-        self.release().finish(detached.later, detached.deferred);
+    /// and process, and let go those that had not stopped as each stops,
+    /// given up after `patience`.
+    pub fn finish_detach(&mut self, detached: Detached, patience: Duration) {
+        self.release()
+            .finish(detached.later, detached.deferred, patience);
     }
 
     /// The end of a detach's borrows (see [`Release`]).

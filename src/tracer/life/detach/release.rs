@@ -11,7 +11,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::os::ptrace::{self, Stop, Tid};
 use crate::tracer::inject::InjectError;
@@ -21,7 +21,7 @@ use crate::tracer::space::{Space, SpaceError};
 use crate::tracer::stop::Stopped;
 use crate::tracer::stops::Stops;
 use crate::tracer::target::Target;
-use crate::tracer::{DETACH_PATIENCE, PATIENCE, TraceError, TraceStats};
+use crate::tracer::{PATIENCE, TraceError, TraceStats};
 
 /// What a detach's last steps borrow of the tracer.
 pub(in crate::tracer) struct Release<'a, T: Target> {
@@ -203,23 +203,34 @@ impl<T: Target> Release<'_, T> {
         Ok(())
     }
 
-    /// Forget every thread and process, then detach `later` as each stops.
-    pub fn finish(&mut self, later: Vec<(Tid, Tid)>, deferred: HashMap<Tid, Space>) {
+    /// Forget every thread and process, then detach `later` as each stops,
+    /// given up after `patience`.
+    pub fn finish(
+        &mut self,
+        later: Vec<(Tid, Tid)>,
+        deferred: HashMap<Tid, Space>,
+        patience: Duration,
+    ) {
         self.family.threads.clear();
         self.family.processes.clear();
-        self.detach_later(later, deferred);
+        self.detach_later(later, deferred, patience);
     }
 
     /// Detach the threads that had not stopped when the rest were let go (a
     /// vfork parent, released when its child, now running, execs; a thread
     /// in uninterruptible sleep), as each stops: asked again and again, up
-    /// to [`DETACH_PATIENCE`], or until memptrace is told to stop
+    /// to `patience` ([`crate::tracer::DETACH_PATIENCE`]), or until memptrace is told to stop
     /// once more. What is left is said: such a thread stays traced until
     /// memptrace exits, when the kernel lets it go.
     /// `deferred`: spaces whose trampoline pages one of these threads
     /// unmaps once it stops (every other thread of the process is gone).
-    fn detach_later(&mut self, later: Vec<(Tid, Tid)>, mut deferred: HashMap<Tid, Space>) {
-        let deadline = Instant::now() + DETACH_PATIENCE;
+    fn detach_later(
+        &mut self,
+        later: Vec<(Tid, Tid)>,
+        mut deferred: HashMap<Tid, Space>,
+        patience: Duration,
+    ) {
+        let deadline = Instant::now() + patience;
         let asked = crate::os::signals::interrupts()
             + u32::from(crate::os::signals::terminate_signal().is_some());
         for (tid, pid) in later {
@@ -402,7 +413,7 @@ mod tests {
         assert_eq!(tids, vec![T1, PROC]);
         assert!(restored.deferred.is_empty() && later.is_empty());
         release.let_go(&restored.tids, &deliver).unwrap();
-        release.finish(later, restored.deferred);
+        release.finish(later, restored.deferred, crate::tracer::DETACH_PATIENCE);
         for (at, orig) in &code {
             assert_eq!(&mem.bytes(*at, orig.len()), orig, "code at {at:#x}");
         }

@@ -182,6 +182,12 @@ impl Control {
     ) -> Result<Control, ControlError> {
         let (remote, mem) =
             inject::shared_memory(pid, tid, via, name, layout::AREA_SIZE, at, signals)?;
+        Ok(Control::over(remote, mem))
+    }
+
+    /// The control area at `remote` in the target, mapped here as `mem`,
+    /// made ready for the probes.
+    pub(in crate::tracer) fn over(remote: u64, mem: SharedMemory) -> Control {
         let mut control = Control {
             sentinel: None,
             remote,
@@ -219,7 +225,7 @@ impl Control {
             }
         };
         control.publish_directory();
-        Ok(control)
+        control
     }
 
     /// The probes must not wake memptrace with `tgkill` (the program's
