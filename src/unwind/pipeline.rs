@@ -189,12 +189,18 @@ impl Pipeline {
                 for call in batch.calls {
                     let frames = &batch.frames[call.frames];
                     let caller = frames.first().copied().unwrap_or(0);
+                    let ips = if call.caller_only { &[][..] } else { frames };
+                    // A stack seen before is looked up where it lies, not
+                    // copied first (Python's run 30 to 128 frames deep).
+                    let Err(event) =
+                        self.seen_before(call.event, ips, caller, call.end, call.unmatched_release)
+                    else {
+                        continue;
+                    };
                     self.ips.clear();
-                    if !call.caller_only {
-                        self.ips.extend_from_slice(frames);
-                    }
+                    self.ips.extend_from_slice(ips);
                     self.stacked(
-                        call.event,
+                        event,
                         caller,
                         call.end,
                         call.allocator_module,
@@ -249,31 +255,53 @@ impl Pipeline {
         }
     }
 
+    /// Record a call whose stack, return addresses `ips` (empty: the caller
+    /// alone), was seen before; else give the event back. A release of a
+    /// block not known to be live is looked at whole (it may be the
+    /// allocator's housekeeping).
+    fn seen_before(
+        &mut self,
+        mut event: Event,
+        ips: &[u64],
+        caller: u64,
+        end: WalkEnd,
+        unmatched_release: bool,
+    ) -> Result<(), Event> {
+        if unmatched_release || !self.stacks {
+            return Err(event);
+        }
+        let key = StackCache::key(event.pid, ips, caller, end);
+        let Some(seen) = self.seen.get(key, event.pid, ips, caller, end) else {
+            return Err(event);
+        };
+        if seen.truncated {
+            self.result.truncated_stacks += 1;
+        }
+        event.stack_id = seen.leaf;
+        self.result.events += 1;
+        self.out.push(Record::Event(event));
+        Ok(())
+    }
+
     /// Record a call whose return addresses are in `self.ips` (empty: the
     /// caller alone).
     fn stacked(
         &mut self,
-        mut event: Event,
+        event: Event,
         caller: u64,
         end: WalkEnd,
         allocator_module: u64,
         unmatched_release: bool,
     ) {
         let pid = event.pid;
-        // A release of a block not known to be live is looked at whole (it
-        // may be the allocator's housekeeping); every other call whose
-        // stack was seen before is done.
+        let ips = std::mem::take(&mut self.ips);
+        let seen = self.seen_before(event, &ips, caller, end, unmatched_release);
+        self.ips = ips;
+        let Err(mut event) = seen else {
+            return;
+        };
         let key = (!unmatched_release && self.stacks)
             .then(|| StackCache::key(pid, &self.ips, caller, end));
-        if let Some(seen) = key.and_then(|k| self.seen.get(k, pid, &self.ips, caller, end)) {
-            if seen.truncated {
-                self.result.truncated_stacks += 1;
-            }
-            event.stack_id = seen.leaf;
-            self.result.events += 1;
-            self.out.push(Record::Event(event));
-            return;
-        }
         let raw = key.map(|_| self.ips.clone());
         let images = self.processes.get(&pid);
         let image_at = |ip| images.and_then(|p| p.image_at(ip));

@@ -2,7 +2,7 @@
 //! docs/schema.md, "How events are stored"), the mappings' columns, and the
 //! integers SQLite stores.
 
-use rusqlite::types::{ToSql, ToSqlOutput, Value};
+use rusqlite::types::{ToSql, ToSqlOutput, ValueRef};
 use rusqlite::{Connection, OptionalExtension, params};
 use rustc_hash::FxHashMap;
 
@@ -319,10 +319,12 @@ pub(super) fn int(value: u64) -> Num {
 
 impl ToSql for Num {
     fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
-        Ok(ToSqlOutput::Owned(match *self {
-            Num::Null => Value::Null,
-            Num::Int(v) => Value::Integer(v),
-            Num::Real(v) => Value::Real(v),
+        // Borrowed: a number needs no owned value made and dropped per
+        // parameter (the events' chunks bind millions).
+        Ok(ToSqlOutput::Borrowed(match *self {
+            Num::Null => ValueRef::Null,
+            Num::Int(v) => ValueRef::Integer(v),
+            Num::Real(v) => ValueRef::Real(v),
         }))
     }
 }
