@@ -4,64 +4,88 @@
 //! One map of `(u32, u64) -> (u64, u64)` cost 33 bytes a bucket and, while
 //! it doubled, both tables at once: 45 bytes a live block at the peak
 //! (measured at 770 000 blocks), 207 MB of them at 2.5 M. Here each process
-//! has its blocks in [`SHARDS`] maps of `u64 -> u64` (17 bytes a bucket),
-//! the id and size packed in the value, a shard chosen by the block's
-//! address: a shard doubles a 64th of the blocks at a time. The rare block
-//! whose id or size does not fit the packing (an id of 2^40 or more, a size
+//! has its blocks in [`SHARDS`] maps of a 32-bit key to the id and size
+//! packed in 64 bits (13 bytes a bucket; 17 with a 64-bit key, 28 bytes a
+//! live block at 2.56 M), the shard and the key two parts of the block's
+//! address mixed ([`place`]): a shard doubles a 4096th of the blocks at a
+//! time. The rare block whose address, id or size does not fit the packing
+//! (an address not 8-aligned or above 2^47, an id of 2^40 or more, a size
 //! of 16 MiB or more) goes to a map beside them, unpacked.
 
 use rustc_hash::FxHashMap;
 
-/// Maps per process.
-const SHARDS: usize = 64;
+/// Bits of an address in 8-byte units, below 2^47 (x86-64's user space
+/// with 4-level page tables).
+const PLACE_BITS: u32 = 44;
+/// Maps per process: the bits of the mixed address above the key's 32.
+const SHARDS: usize = 1 << (PLACE_BITS - u32::BITS);
 /// Bits of the size in a packed value; the id has the 40 above them.
 const SIZE_BITS: u32 = 24;
 
-/// The shard of a block: the top bits of its address, mixed (addresses
-/// share their low bits, being aligned, and their high bits, being in one
-/// heap).
-fn shard(ptr: u64) -> usize {
-    (ptr.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (u64::BITS - SHARDS.trailing_zeros())) as usize
+/// A block's shard and key: its address in 8-byte units mixed by a
+/// bijection of [`PLACE_BITS`] bits (a multiplication by an odd number,
+/// which spreads addresses evenly over the upper bits, the shard; then an
+/// xor-shift, which brings them into the lower bits, the key). Distinct
+/// addresses have distinct places. `None`: an address that does not fit.
+fn place(ptr: u64) -> Option<(usize, u32)> {
+    if ptr % 8 != 0 || ptr >> (PLACE_BITS + 3) != 0 {
+        return None;
+    }
+    let mask = (1u64 << PLACE_BITS) - 1;
+    let mut h = (ptr / 8).wrapping_mul(0x9e37_79b9_7f4a_7c15) & mask;
+    h ^= h >> (PLACE_BITS / 2);
+    Some(((h >> u32::BITS) as usize, h as u32))
 }
 
-fn pack(id: u64, size: u64) -> Option<u64> {
-    (id < 1 << (u64::BITS - SIZE_BITS) && size < 1 << SIZE_BITS).then_some(id << SIZE_BITS | size)
+/// The id and size in two 32-bit words (a bucket aligned to 4 bytes).
+fn pack(id: u64, size: u64) -> Option<[u32; 2]> {
+    (id < 1 << (u64::BITS - SIZE_BITS) && size < 1 << SIZE_BITS).then(|| {
+        let v = id << SIZE_BITS | size;
+        [v as u32, (v >> u32::BITS) as u32]
+    })
 }
 
-fn unpack(v: u64) -> (u64, u64) {
+fn unpack([low, high]: [u32; 2]) -> (u64, u64) {
+    let v = u64::from(high) << u32::BITS | u64::from(low);
     (v >> SIZE_BITS, v & ((1 << SIZE_BITS) - 1))
 }
+
+type Shard = FxHashMap<u32, [u32; 2]>;
 
 #[derive(Default)]
 pub struct LiveBlocks {
     /// Per process, its shards.
-    packed: FxHashMap<u32, Vec<FxHashMap<u64, u64>>>,
+    packed: FxHashMap<u32, Vec<Shard>>,
     /// Blocks that do not fit the packing.
     wide: FxHashMap<(u32, u64), (u64, u64)>,
 }
 
 impl LiveBlocks {
-    fn shards(&mut self, pid: u32) -> &mut Vec<FxHashMap<u64, u64>> {
+    fn shards(&mut self, pid: u32) -> &mut Vec<Shard> {
         self.packed
             .entry(pid)
-            .or_insert_with(|| vec![FxHashMap::default(); SHARDS])
+            .or_insert_with(|| vec![Shard::default(); SHARDS])
+    }
+
+    /// The packed block at `place` of `pid`, taken out.
+    fn take(&mut self, pid: u32, place: Option<(usize, u32)>) -> Option<(u64, u64)> {
+        let (shard, key) = place?;
+        let shards = self.packed.get_mut(&pid)?;
+        shards[shard].remove(&key).map(unpack)
     }
 
     pub fn contains(&self, pid: u32, ptr: u64) -> bool {
-        self.packed
-            .get(&pid)
-            .is_some_and(|s| s[shard(ptr)].contains_key(&ptr))
-            || (!self.wide.is_empty() && self.wide.contains_key(&(pid, ptr)))
+        place(ptr).is_some_and(|(shard, key)| {
+            self.packed
+                .get(&pid)
+                .is_some_and(|s| s[shard].contains_key(&key))
+        }) || (!self.wide.is_empty() && self.wide.contains_key(&(pid, ptr)))
     }
 
     /// Block `ptr` of `pid`, released: its (id, size).
     pub fn remove(&mut self, pid: u32, ptr: u64) -> Option<(u64, u64)> {
-        if let Some(v) = self
-            .packed
-            .get_mut(&pid)
-            .and_then(|s| s[shard(ptr)].remove(&ptr))
-        {
-            return Some(unpack(v));
+        if let Some(found) = self.take(pid, place(ptr)) {
+            return Some(found);
         }
         if self.wide.is_empty() {
             return None;
@@ -72,20 +96,17 @@ impl LiveBlocks {
     /// Block `ptr` of `pid` allocated by event `id`; the (id, size) of the
     /// block it replaces, if that one was live.
     pub fn insert(&mut self, pid: u32, ptr: u64, id: u64, size: u64) -> Option<(u64, u64)> {
-        match pack(id, size) {
-            Some(v) => {
-                let replaced = self.shards(pid)[shard(ptr)].insert(ptr, v).map(unpack);
+        let place = place(ptr);
+        match place.zip(pack(id, size)) {
+            Some(((shard, key), v)) => {
+                let replaced = self.shards(pid)[shard].insert(key, v).map(unpack);
                 if replaced.is_none() && !self.wide.is_empty() {
                     return self.wide.remove(&(pid, ptr));
                 }
                 replaced
             }
             None => {
-                let replaced = self
-                    .packed
-                    .get_mut(&pid)
-                    .and_then(|s| s[shard(ptr)].remove(&ptr))
-                    .map(unpack);
+                let replaced = self.take(pid, place);
                 self.wide.insert((pid, ptr), (id, size)).or(replaced)
             }
         }
@@ -124,7 +145,7 @@ impl LiveBlocks {
             .packed
             .values()
             .flatten()
-            .map(|s| s.capacity() * 17)
+            .map(|s| s.capacity() * 13)
             .sum();
         packed + self.wide.capacity() * 33
     }
@@ -150,7 +171,12 @@ mod tests {
         for id in 1..300_000u64 {
             let r = next();
             let pid = 1 + (r & 1) as u32;
-            let ptr = 16 * (r >> 8 & 0xffff);
+            let ptr = match r % 97 {
+                // Addresses that do not fit the packing.
+                0 => 16 * (r >> 8 & 0xff) + 4,
+                1 => (1 << 47) | (16 * (r >> 8 & 0xff)),
+                _ => 16 * (r >> 8 & 0xffff),
+            };
             match r >> 40 & 3 {
                 0 | 1 => {
                     let id = if r % 101 == 0 { id << 40 } else { id };
@@ -180,9 +206,28 @@ mod tests {
         assert!(blocks.forget(1).is_empty());
     }
 
+    /// Distinct addresses, distinct places: a heap's addresses 8 bytes
+    /// apart, and addresses that differ in their upper bits only.
+    #[test]
+    fn places_are_distinct() {
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..1_000_000u64 {
+            for ptr in [0x5555_0000_0000 + 8 * i, (i << 27) | 0x10] {
+                if let Some(place) = place(ptr) {
+                    seen.insert((ptr, place));
+                }
+            }
+        }
+        let places: std::collections::HashSet<_> = seen.iter().map(|&(_, p)| p).collect();
+        assert!(seen.len() > 1_999_000, "{}", seen.len());
+        assert_eq!(places.len(), seen.len());
+        assert!(place(1 << 47).is_none() && place(0x5555_0000_0004).is_none());
+    }
+
     /// The shards share the blocks out evenly (glibc's addresses, 16 bytes
     /// apart, and mmap'd blocks, a page apart), so that no one table holds
-    /// most of them; a million blocks take under 40 bytes each.
+    /// most of them; a million blocks take under 30 bytes each (13 a
+    /// bucket, a shard's table between 44 and 88 % full).
     #[test]
     fn shards_are_even_and_compact() {
         for step in [16u64, 4096] {
@@ -193,7 +238,7 @@ mod tests {
             let most = blocks.packed[&7].iter().map(|s| s.len()).max();
             assert!(most < Some(1_000_000 / SHARDS * 5 / 4), "{most:?}");
             assert!(
-                blocks.footprint() < 40 * 1_000_000,
+                blocks.footprint() < 30 * 1_000_000,
                 "{}",
                 blocks.footprint()
             );
