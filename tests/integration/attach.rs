@@ -163,15 +163,11 @@ fn cycles(variant: Variant) {
                                       WHERE a.snapshot_id = s.id))",
             );
             if incomplete == 0 {
-                assert!(
-                    before <= 10,
-                    "cycle {cycle}: {before} frees the inventory missed"
-                );
-                // Each missed block, and the state of the chunk that held it
-                // at the attach.
+                // Each missed block, the thread that freed it, and the state
+                // of the chunk that held it at the attach.
                 let missed: Option<String> =
                     t.db.query_row(
-                        "SELECT group_concat(printf('%#x %s', a.ptr, coalesce((SELECT c.state
+                        "SELECT group_concat(printf('%#x %d %s', a.ptr, a.free_tid, coalesce((SELECT c.state
                              FROM heap_chunks c JOIN heap_snapshots s ON s.id = c.snapshot_id
                              WHERE s.moment = 'attach' AND a.ptr - 16 >= c.addr
                                AND a.ptr - 16 < c.addr + c.size), 'in no chunk')), ', ')
@@ -188,6 +184,13 @@ fn cycles(variant: Variant) {
                         .all(|state| !m.ends_with(&format!(" {state}")))
                 };
                 let missed = missed.unwrap_or_default();
+                assert!(
+                    before <= 10,
+                    "cycle {cycle}: {before} frees the inventory missed (let through: {:?}, \
+                     skipped records: {:?}): {missed}",
+                    t.meta("let_through_calls"),
+                    t.meta("skipped_records"),
+                );
                 assert!(
                     missed
                         .split(", ")
