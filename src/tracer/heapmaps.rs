@@ -228,7 +228,7 @@ impl HeapMaps {
         done: bool,
     ) {
         if done {
-            let _ = book.ledger.forget_process(pid as u32);
+            book.ledger.drop_process(pid as u32);
             // Its tables' pages, for the map's chunks.
             crate::os::own_heap::give_back_freed();
         }
@@ -252,7 +252,7 @@ impl HeapMaps {
         pids: Vec<Tid>,
     ) {
         for &pid in &pids {
-            let _ = book.ledger.forget_process(pid as u32);
+            book.ledger.drop_process(pid as u32);
         }
         crate::os::own_heap::give_back_freed();
         for pid in pids {

@@ -161,6 +161,14 @@ impl Ledger {
             .collect()
     }
 
+    /// A process is gone: its blocks go with it. Returns how many there
+    /// were ([`Ledger::forget_process`] without their ids).
+    pub fn drop_process(&mut self, pid: u32) -> u64 {
+        let (blocks, bytes) = self.live.drop_process(pid);
+        self.live_bytes = self.live_bytes.wrapping_sub(bytes);
+        blocks
+    }
+
     /// A process is gone (or exec'd): its blocks go with it. Returns the
     /// event ids of their allocations, in id order.
     pub fn forget_process(&mut self, pid: u32) -> Vec<u64> {
@@ -253,6 +261,21 @@ mod tests {
         assert_eq!(l.live_bytes(), 240 + 1000 + 32);
         assert_eq!(l.forget_process(1), [c.id, p.id, ra.id]);
         assert_eq!(l.live_bytes(), 0);
+    }
+
+    #[test]
+    fn a_process_dropped_leaves_the_ledger() {
+        let mut l = Ledger::new();
+        l.complete(Op::Malloc, &facts([100, 0, 0], 0x1000));
+        l.complete(Op::Calloc, &facts([4, 10, 0], 0x2000));
+        let mut other = facts([7, 0, 0], 0x1000);
+        other.pid = 2;
+        l.complete(Op::Malloc, &other);
+        assert_eq!(l.live_bytes(), 147);
+        assert_eq!(l.drop_process(1), 2);
+        assert_eq!(l.live_bytes(), 7);
+        assert!(!l.is_live(1, 0x1000) && l.is_live(2, 0x1000));
+        assert_eq!(l.drop_process(1), 0);
     }
 
     #[test]

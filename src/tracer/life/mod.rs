@@ -102,7 +102,7 @@ impl<T: Target> Life<'_, T> {
         if let Some(process) = self.family.processes.remove(&tid) {
             if process.recorded() {
                 self.book.send(TraceMsg::ProcessGone { pid: tid as u32 });
-                let _ = self.book.ledger.forget_process(tid as u32);
+                self.book.ledger.drop_process(tid as u32);
             }
             if let Some(space) = process.space {
                 self.family
