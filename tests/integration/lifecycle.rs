@@ -8,7 +8,7 @@
 
 use crate::attach::trampoline_pages;
 use crate::support::{
-    Background, Variant, count_events, memptrace, proc_status, scratch, tracee,
+    Background, Variant, count_events, memptrace, open_trace, proc_status, scratch, tracee,
     without_death_warning,
 };
 
@@ -150,15 +150,10 @@ fn a_signal_at_any_moment_of_an_attach_leaves_a_whole_trace_or_none() {
                 assert!(!db.exists(), "killed after making a database: {what}");
             }
             Some(0) => {
-                let trace = rusqlite::Connection::open(&db).unwrap();
-                let meta = |key: &str| -> Option<String> {
-                    trace
-                        .query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
-                        .ok()
-                };
-                assert!(meta("ended_at").is_some(), "{what}");
+                let trace = open_trace(&db, out);
+                assert!(trace.meta("ended_at").is_some(), "{what}");
                 assert_eq!(
-                    meta("end_reason").as_deref(),
+                    trace.meta("end_reason").as_deref(),
                     Some("detached: memptrace received SIGTERM"),
                     "{what}"
                 );
