@@ -246,8 +246,11 @@ impl SqliteSink {
         Ok(self.nodes.push(conn, node)?)
     }
 
+    /// Write the stack nodes and sites waiting: the rows of the
+    /// transaction refer to them.
     fn flush_nodes(&mut self) -> Result<(), SinkError> {
         let conn = self.conn.as_ref().ok_or_else(closed)?;
+        self.coder.flush_sites(conn)?;
         Ok(self.nodes.flush(conn)?)
     }
 

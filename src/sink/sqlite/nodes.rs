@@ -8,12 +8,37 @@
 //! events: readers see them with the events that refer to them.
 
 use rusqlite::Connection;
+use rusqlite::types::{ToSqlOutput, ValueRef};
 
-use super::rows::int;
+use super::rows::{Num, int};
 use crate::sink::StackNode;
 
 /// Nodes per statement: 5 parameters a row, far below SQLite's limit.
 const NODES: usize = 128;
+
+/// `rows` inserted by `insert` (`INSERT INTO t(a, b)`), `chunk` rows to a
+/// statement (from the statement cache), `values` giving a row's.
+pub(super) fn insert_many<T, const N: usize>(
+    conn: &Connection,
+    insert: &str,
+    rows: &[T],
+    chunk: usize,
+    values: impl Fn(&T) -> [ValueRef<'static>; N],
+) -> rusqlite::Result<()> {
+    let row = format!("({})", vec!["?"; N].join(","));
+    for part in rows.chunks(chunk) {
+        let sql = format!(
+            "{insert} VALUES {}",
+            vec![row.as_str(); part.len()].join(",")
+        );
+        let mut stmt = conn.prepare_cached(&sql)?;
+        for (at, value) in part.iter().flat_map(&values).enumerate() {
+            stmt.raw_bind_parameter(at + 1, ToSqlOutput::Borrowed(value))?;
+        }
+        stmt.raw_execute()?;
+    }
+    Ok(())
+}
 
 #[derive(Default)]
 pub(super) struct NodeRows {
@@ -32,34 +57,29 @@ impl NodeRows {
 
     /// Store every node waiting.
     pub fn flush(&mut self, conn: &Connection) -> rusqlite::Result<()> {
-        for chunk in self.pending.chunks(NODES) {
-            let rows = |row: &str| vec![row; chunk.len()].join(",");
-            let mut stacks = conn.prepare_cached(&format!(
-                "INSERT OR REPLACE INTO stacks(id, parent_id, frame_id, depth, trust) VALUES {}",
-                rows("(?,?,?,?,?)")
-            ))?;
-            for (i, s) in chunk.iter().enumerate() {
-                let at = i * 5;
-                stacks.raw_bind_parameter(at + 1, int(s.id))?;
-                stacks.raw_bind_parameter(at + 2, s.parent_id.map(int))?;
-                stacks.raw_bind_parameter(at + 3, int(s.frame_id))?;
-                stacks.raw_bind_parameter(at + 4, s.depth)?;
-                stacks.raw_bind_parameter(at + 5, s.trust.name())?;
-            }
-            stacks.raw_execute()?;
-            // Until frames are marked at the end, a stack's own frame.
-            let mut sites = conn.prepare_cached(&format!(
-                "INSERT OR REPLACE INTO call_sites(stack_id, frame_id, site_id) VALUES {}",
-                rows("(?,?,?)")
-            ))?;
-            for (i, s) in chunk.iter().enumerate() {
-                let at = i * 3;
-                sites.raw_bind_parameter(at + 1, int(s.id))?;
-                sites.raw_bind_parameter(at + 2, int(s.frame_id))?;
-                sites.raw_bind_parameter(at + 3, int(s.id))?;
-            }
-            sites.raw_execute()?;
-        }
+        insert_many(
+            conn,
+            "INSERT OR REPLACE INTO stacks(id, parent_id, frame_id, depth, trust)",
+            &self.pending,
+            NODES,
+            |s| {
+                [
+                    int(s.id).into(),
+                    s.parent_id.map_or(Num::Null, int).into(),
+                    int(s.frame_id).into(),
+                    ValueRef::Integer(s.depth.into()),
+                    ValueRef::Text(s.trust.name().as_bytes()),
+                ]
+            },
+        )?;
+        // Until frames are marked at the end, a stack's own frame.
+        insert_many(
+            conn,
+            "INSERT OR REPLACE INTO call_sites(stack_id, frame_id, site_id)",
+            &self.pending,
+            NODES,
+            |s| [int(s.id).into(), int(s.frame_id).into(), int(s.id).into()],
+        )?;
         self.pending.clear();
         Ok(())
     }
