@@ -173,8 +173,16 @@ impl ImageFacts {
         if let Some(found) = known(&cache.lock()) {
             return Some(found);
         }
-        let bytes = std::fs::read(path).ok()?;
-        let facts = Arc::new(ImageFacts::read(path, &bytes, debug_roots)?);
+        // A dynamically linked executable has none of glibc's allocator in
+        // it (its C library has): its bytes are not read (99 MB for node,
+        // which were most of memptrace's memory at its exit map).
+        let facts =
+            if !path.to_string_lossy().contains("libc") && has_interpreter(path) == Some(true) {
+                Arc::new(ImageFacts::NoSymbols { is_libc: false })
+            } else {
+                let bytes = std::fs::read(path).ok()?;
+                Arc::new(ImageFacts::read(path, &bytes, debug_roots)?)
+            };
         let mut all = cache.lock();
         Some(known(&all).unwrap_or_else(|| {
             all.push((key, facts.clone()));
@@ -227,6 +235,30 @@ impl ImageFacts {
                 .map(|&(_, vaddr)| m.start.wrapping_sub(page(vaddr)))
         })
     }
+}
+
+/// Whether the ELF file at `path` names an interpreter (`PT_INTERP`: it is
+/// linked dynamically), from its first 64 KiB, where its program headers
+/// are. `None`: no ELF file, or program headers beyond them.
+fn has_interpreter(path: &Path) -> Option<bool> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(64 << 10)
+        .read_to_end(&mut head)
+        .ok()?;
+    let header = Elf::parse_header(&head).ok()?;
+    let ctx = goblin::container::Ctx::new(header.container().ok()?, header.endianness().ok()?);
+    let offset = usize::try_from(header.e_phoff).ok()?;
+    let headers =
+        program_header::ProgramHeader::parse(&head, offset, usize::from(header.e_phnum), ctx)
+            .ok()?;
+    Some(
+        headers
+            .iter()
+            .any(|ph| ph.p_type == program_header::PT_INTERP),
+    )
 }
 
 /// A file named as glibc names its C library (`libc.so.6`, `libc-2.31.so`).
@@ -341,4 +373,36 @@ fn symbol(elf: &Elf, name: &str) -> Option<Symbol> {
             })
     };
     found(&elf.syms, &elf.strtab).or_else(|| found(&elf.dynsyms, &elf.dynstrtab))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This test's own executable names an interpreter; the same headers
+    /// with `PT_INTERP` made `PT_NULL` (a static executable's) do not; a
+    /// file that is no ELF file is not known.
+    #[test]
+    fn an_interpreter_is_read_from_the_program_headers() {
+        let exe = std::env::current_exe().unwrap();
+        assert_eq!(has_interpreter(&exe), Some(true));
+        let mut head = std::fs::read(&exe).unwrap();
+        head.truncate(64 << 10);
+        let header = Elf::parse_header(&head).unwrap();
+        let (at, size) = (header.e_phoff as usize, usize::from(header.e_phentsize));
+        for i in 0..usize::from(header.e_phnum) {
+            let p_type = at + i * size;
+            if head[p_type..p_type + 4] == program_header::PT_INTERP.to_le_bytes() {
+                head[p_type..p_type + 4].copy_from_slice(&program_header::PT_NULL.to_le_bytes());
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("memptrace-interp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (static_exe, text) = (dir.join("static"), dir.join("text"));
+        std::fs::write(&static_exe, &head).unwrap();
+        std::fs::write(&text, "not an ELF file").unwrap();
+        let found = (has_interpreter(&static_exe), has_interpreter(&text));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(found, (Some(false), None));
+    }
 }
