@@ -35,7 +35,7 @@ use addr2line::gimli::DwLang;
 use self::debug_file::same_build;
 pub use self::objinfo::DebugLink;
 pub(crate) use self::objinfo::parse_debuglink;
-use self::objinfo::{AltLink, ObjectInfo, read_regular_file};
+use self::objinfo::{AltLink, ObjectInfo, read_for_info};
 use self::symtab::SymbolIndex;
 use super::debuginfod::{Debuginfod, Fetcher};
 
@@ -141,7 +141,7 @@ impl ImageDebug {
         roots: &[PathBuf],
         mut remote: Option<&mut Fetcher>,
     ) -> ImageDebug {
-        let image = read_regular_file(path)
+        let image = read_for_info(path)
             .and_then(|bytes| ObjectInfo::parse(&bytes))
             .filter(|info| same_build(info.build_id.as_deref(), build_id));
         let build_id = build_id

@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::objinfo::{AltLink, DebugLink, ObjectInfo, read_regular_file};
+use super::objinfo::{AltLink, DebugLink, ObjectInfo, read_for_info, read_regular_file};
 use crate::symbols::debuginfod::Fetcher;
 
 /// A debug file that belongs to the image.
@@ -57,7 +57,7 @@ pub fn find(
 pub fn by_build_id(roots: &[PathBuf], build_id: &str) -> Option<DebugFile> {
     roots.iter().find_map(|root| {
         let path = build_id_path(root, build_id)?;
-        let info = ObjectInfo::parse(&read_regular_file(&path)?)?;
+        let info = ObjectInfo::parse(&read_for_info(&path)?)?;
         same_build(info.build_id.as_deref(), Some(build_id)).then_some(DebugFile { path, info })
     })
 }
@@ -67,7 +67,7 @@ pub fn by_build_id(roots: &[PathBuf], build_id: &str) -> Option<DebugFile> {
 /// used only when it carries that very build-id.
 pub fn from_server(fetcher: &mut Fetcher, build_id: &str) -> Option<DebugFile> {
     let path = fetcher.debuginfo(build_id)?;
-    let info = ObjectInfo::parse(&read_regular_file(&path)?)?;
+    let info = ObjectInfo::parse(&read_for_info(&path)?)?;
     let ours = info
         .build_id
         .as_deref()
@@ -127,7 +127,7 @@ pub fn supplementary(debug_file: &Path, link: &AltLink, roots: &[PathBuf]) -> Op
             .filter_map(|root| build_id_path(root, &link.build_id)),
     );
     candidates.into_iter().find(|path| {
-        read_regular_file(path)
+        read_for_info(path)
             .and_then(|bytes| ObjectInfo::parse(&bytes))
             .is_some_and(|info| {
                 info.has_dwarf && same_build(info.build_id.as_deref(), Some(&link.build_id))

@@ -53,6 +53,118 @@ pub fn read_regular_file(path: &Path) -> Option<Vec<u8>> {
     std::fs::read(path).ok()
 }
 
+/// Files below this size are read whole.
+const SPARSE_FROM: u64 = 1 << 20;
+
+/// The bytes of the regular file at `path` that [`ObjectInfo::parse`]
+/// reads, at their offsets in a buffer of the file's size: its headers,
+/// the sections that name things (symbols, strings, notes, hashes,
+/// versions, dynamic, links) and the segments that locate them. The rest
+/// (code, data, DWARF) is never read, and the buffer's pages there never
+/// touched: a zeroed allocation this large is fresh pages, which take no
+/// memory until written. node's executable is 99 MB, of which naming it
+/// reads a few. A small file, or one whose headers cannot be read so, is
+/// read whole.
+pub fn read_for_info(path: &Path) -> Option<Vec<u8>> {
+    use goblin::container::Ctx;
+    use goblin::elf::{Elf, ProgramHeader, SectionHeader, program_header};
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path).ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    let whole = || read_regular_file(path);
+    let Ok(len) = usize::try_from(meta.len()) else {
+        return whole();
+    };
+    if meta.len() < SPARSE_FROM {
+        return whole();
+    }
+    let mut bytes = vec![0u8; len];
+    let read = |bytes: &mut Vec<u8>, at: u64, size: u64| -> Option<()> {
+        let start = usize::try_from(at).ok()?;
+        let end = start.checked_add(usize::try_from(size).ok()?)?;
+        file.read_exact_at(bytes.get_mut(start..end)?, at).ok()
+    };
+    read(&mut bytes, 0, 64)?;
+    let header = Elf::parse_header(&bytes).ok()?;
+    let ctx = Ctx::new(header.container().ok()?, header.endianness().ok()?);
+    let table = |offset: u64, count: u16, size: u16| (offset, u64::from(count) * u64::from(size));
+    let (ph_at, ph_size) = table(header.e_phoff, header.e_phnum, header.e_phentsize);
+    let (sh_at, sh_size) = table(header.e_shoff, header.e_shnum, header.e_shentsize);
+    if read(&mut bytes, ph_at, ph_size).is_none() || read(&mut bytes, sh_at, sh_size).is_none() {
+        return whole();
+    }
+    let segments =
+        ProgramHeader::parse(&bytes, ph_at as usize, usize::from(header.e_phnum), ctx).ok()?;
+    let sections =
+        SectionHeader::parse(&bytes, sh_at as usize, usize::from(header.e_shnum), ctx).ok()?;
+    let mut parts: Vec<(u64, u64)> = segments
+        .iter()
+        .filter(|ph| {
+            matches!(
+                ph.p_type,
+                program_header::PT_DYNAMIC | program_header::PT_INTERP | program_header::PT_NOTE
+            )
+        })
+        .map(|ph| (ph.p_offset, ph.p_filesz))
+        .collect();
+    let named = |sh: &SectionHeader| {
+        matches!(
+            sh.sh_type,
+            section_header::SHT_SYMTAB
+                | section_header::SHT_DYNSYM
+                | section_header::SHT_STRTAB
+                | section_header::SHT_NOTE
+                | section_header::SHT_DYNAMIC
+                | section_header::SHT_HASH
+                | section_header::SHT_GNU_HASH
+                | section_header::SHT_GNU_VERSYM
+                | section_header::SHT_GNU_VERDEF
+                | section_header::SHT_GNU_VERNEED
+                | section_header::SHT_SYMTAB_SHNDX
+        )
+    };
+    parts.extend(
+        sections
+            .iter()
+            .filter(|sh| sh.sh_type != section_header::SHT_NOBITS && named(sh))
+            .map(|sh| (sh.sh_offset, sh.sh_size)),
+    );
+    for (at, size) in parts {
+        if read(&mut bytes, at, size).is_none() {
+            return whole();
+        }
+    }
+    // The links are PROGBITS sections known by their names, which are in
+    // the string table just read.
+    let names = sections
+        .get(usize::from(header.e_shstrndx))
+        .map(|sh| sh.sh_offset);
+    let name_of = |sh: &SectionHeader| {
+        let at = usize::try_from(names?).ok()?.checked_add(sh.sh_name)?;
+        let tail = bytes.get(at..)?;
+        Some(&tail[..tail.iter().position(|&b| b == 0)?])
+    };
+    let links: Vec<(u64, u64)> = sections
+        .iter()
+        .filter(|sh| {
+            matches!(
+                name_of(sh),
+                Some(b".gnu_debuglink" | b".gnu_debugaltlink" | b".interp")
+            )
+        })
+        .map(|sh| (sh.sh_offset, sh.sh_size))
+        .collect();
+    for (at, size) in links {
+        if read(&mut bytes, at, size).is_none() {
+            return whole();
+        }
+    }
+    Some(bytes)
+}
+
 impl ObjectInfo {
     pub fn parse(bytes: &[u8]) -> Option<ObjectInfo> {
         check_header(bytes).ok()?;

@@ -533,3 +533,44 @@ fn text_range(binary: &Path) -> Range<u64> {
         .unwrap();
     text.sh_addr..text.sh_addr + text.sh_size
 }
+
+/// What [`ObjectInfo::parse`] finds in the parts [`read_for_info`] reads
+/// equals what it finds in the whole file: the test's own executable (with
+/// DWARF), the C library, and the larger programs of this machine that are
+/// there (stripped, with a debug link); at least two of them read sparsely.
+#[test]
+fn the_parts_read_for_names_say_what_the_whole_file_says() {
+    use self::objinfo::read_for_info;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let libc = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.contains("libc.so"))
+        .map(PathBuf::from);
+    let candidates = [std::env::current_exe().ok(), libc]
+        .into_iter()
+        .flatten()
+        .chain(
+            [
+                "/usr/bin/perl",
+                "/usr/bin/git",
+                "/usr/bin/node",
+                "/usr/bin/gdb",
+            ]
+            .map(PathBuf::from),
+        )
+        .filter(|p| p.exists());
+    let mut sparse = 0;
+    for path in candidates {
+        let whole = std::fs::read(&path).unwrap();
+        let parts = read_for_info(&path).unwrap();
+        assert_eq!(parts.len(), whole.len());
+        if parts != whole {
+            sparse += 1;
+        }
+        let (a, b) = (ObjectInfo::parse(&whole), ObjectInfo::parse(&parts));
+        assert!(a.is_some(), "{}", path.display());
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "{}", path.display());
+    }
+    assert!(sparse >= 2, "{sparse}");
+}
