@@ -93,7 +93,13 @@ pub fn read_for_info(path: &Path) -> Option<Vec<u8>> {
     let table = |offset: u64, count: u16, size: u16| (offset, u64::from(count) * u64::from(size));
     let (ph_at, ph_size) = table(header.e_phoff, header.e_phnum, header.e_phentsize);
     let (sh_at, sh_size) = table(header.e_shoff, header.e_shnum, header.e_shentsize);
-    if read(&mut bytes, ph_at, ph_size).is_none() || read(&mut bytes, sh_at, sh_size).is_none() {
+    // Extended numbering (the section count or the names' index kept in
+    // the first section header) is left to the whole file's parse.
+    let extended = header.e_shnum == 0 || header.e_shstrndx >= header.e_shnum;
+    if extended
+        || read(&mut bytes, ph_at, ph_size).is_none()
+        || read(&mut bytes, sh_at, sh_size).is_none()
+    {
         return whole();
     }
     let segments =

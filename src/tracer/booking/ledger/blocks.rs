@@ -18,6 +18,7 @@
 //! were just read. With the address scrambled over all of a shard's table,
 //! every call was two cache misses (the control bytes, then the bucket):
 //! on python3 with 2.7 M blocks live, 64 % of the tracer thread's time.
+
 use rustc_hash::FxHashMap;
 
 /// Bits of an address in 8-byte units, below 2^47 (x86-64's user space
