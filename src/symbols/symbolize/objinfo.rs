@@ -102,10 +102,14 @@ pub fn read_for_info(path: &Path) -> Option<Vec<u8>> {
     {
         return whole();
     }
-    let segments =
-        ProgramHeader::parse(&bytes, ph_at as usize, usize::from(header.e_phnum), ctx).ok()?;
-    let sections =
-        SectionHeader::parse(&bytes, sh_at as usize, usize::from(header.e_shnum), ctx).ok()?;
+    let tables = ProgramHeader::parse(&bytes, ph_at as usize, usize::from(header.e_phnum), ctx)
+        .and_then(|ph| {
+            SectionHeader::parse(&bytes, sh_at as usize, usize::from(header.e_shnum), ctx)
+                .map(|sh| (ph, sh))
+        });
+    let Ok((segments, sections)) = tables else {
+        return whole();
+    };
     let mut parts: Vec<(u64, u64)> = segments
         .iter()
         .filter(|ph| {
