@@ -140,8 +140,14 @@ impl<T: Target> Life<'_, T> {
             }
             Stopped::Exiting => {}
             Stopped::GroupStop(_) | Stopped::Interrupt => {
+                // The stop came before a trap of memptrace's that is queued
+                // already: an int3 just hit, or the end of a step into a
+                // signal (the kernel reports the interrupt first if it
+                // lands between the step's debug exception and the trap's
+                // delivery). Detached now, the thread would die of it.
                 let pid = self.family.pid_of(tid).unwrap_or(tid);
-                if self.family.at_int3(self.target, tid)
+                let stepping = self.family.threads.get(&tid).is_some_and(|t| t.stepping);
+                if (stepping || self.family.at_int3(self.target, tid))
                     && self.target.signal_pending(pid, tid, libc::SIGTRAP)
                 {
                     // Let the queued trap be reported, then settle it.

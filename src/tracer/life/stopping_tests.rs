@@ -190,6 +190,34 @@ fn an_interrupt_at_an_int3_with_its_trap_queued_lets_the_trap_be_reported() {
 }
 
 #[test]
+fn an_interrupt_after_a_step_into_a_signal_lets_the_steps_trap_be_reported() {
+    // A signal was delivered to a thread in a call by a step (see
+    // `Family::deliver`); the detach's interrupt came after the step's debug
+    // exception, before its SIGTRAP was reported.
+    let mut rig = Rig::new(&[PID, PID + 1]);
+    rig.family.threads.get_mut(&(PID + 1)).unwrap().stepping = true;
+    stopped_at(&mut rig, PID + 1, 0x1234);
+    rig.target.queued.insert((PID + 1, libc::SIGTRAP));
+    let interrupt = Stop::EventStop(libc::SIGTRAP);
+    assert_eq!(settle(&mut rig, PID + 1, interrupt), (false, None));
+    assert_eq!(rig.target.calls, [Call::Cont(PID + 1, 0)]);
+    // The trap, reported: the step's end, never the program's.
+    rig.target.queued.clear();
+    rig.target.calls.clear();
+    stopped_at(&mut rig, PID + 1, 0x1235);
+    rig.target.threads.get_mut(&(PID + 1)).unwrap().si_code = 2; // TRAP_TRACE
+    let trap = Stop::Signal(libc::SIGTRAP);
+    assert_eq!(settle(&mut rig, PID + 1, trap), (true, None));
+    assert!(!rig.family.threads[&(PID + 1)].stepping);
+    // A thread not stepping, away from any int3, with the program's own
+    // SIGTRAP queued: stopped for good, the signal left to the program.
+    rig.target.queued.insert((PID + 1, libc::SIGTRAP));
+    rig.target.calls.clear();
+    assert_eq!(settle(&mut rig, PID + 1, interrupt), (true, None));
+    assert!(rig.target.calls.is_empty());
+}
+
+#[test]
 fn a_thread_born_while_stopping_is_adopted_and_stays_stopped() {
     let mut rig = Rig::new(&[PID, PID + 1]);
     rig.target.process(PID, &[PID, PID + 1, PID + 5]);
