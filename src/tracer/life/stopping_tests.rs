@@ -205,7 +205,8 @@ fn an_interrupt_after_a_step_into_a_signal_lets_the_steps_trap_be_reported() {
     rig.target.queued.clear();
     rig.target.calls.clear();
     stopped_at(&mut rig, PID + 1, 0x1235);
-    rig.target.threads.get_mut(&(PID + 1)).unwrap().si_code = 2; // TRAP_TRACE
+    rig.target.threads.get_mut(&(PID + 1)).unwrap().si_code =
+        crate::tracer::serve::handlers::TRAP_TRACE;
     let trap = Stop::Signal(libc::SIGTRAP);
     assert_eq!(settle(&mut rig, PID + 1, trap), (true, None));
     assert!(!rig.family.threads[&(PID + 1)].stepping);

@@ -32,7 +32,7 @@ use crate::tracer::target::Target;
 /// into a signal (`ptrace_notify(SIGTRAP)`).
 const AT_HANDLER: i32 = libc::SIGTRAP;
 /// si_code of a single-step trap (`TRAP_TRACE`, siginfo.h): no handler ran.
-const TRAP_TRACE: i32 = 2;
+pub(in crate::tracer) const TRAP_TRACE: i32 = 2;
 /// si_code of a single step that ended at a system call's exit
 /// (`TRAP_BRKPT`: x86's `user_single_step_report`). A thread stepped with a
 /// signal it ignores, while stopped inside a blocking call (a futex wait in

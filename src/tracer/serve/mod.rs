@@ -6,6 +6,6 @@
 
 pub(super) mod calls;
 pub(super) mod callsite;
-pub(super) mod handlers;
+pub(in crate::tracer) mod handlers;
 pub(super) mod jumps;
 pub(super) mod mappings;
