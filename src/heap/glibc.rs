@@ -176,13 +176,12 @@ impl ImageFacts {
         // A dynamically linked executable has none of glibc's allocator in
         // it (its C library has): its bytes are not read (99 MB for node,
         // which were most of memptrace's memory at its exit map).
-        let facts =
-            if !path.to_string_lossy().contains("libc") && has_interpreter(path) == Some(true) {
-                Arc::new(ImageFacts::NoSymbols { is_libc: false })
-            } else {
-                let bytes = std::fs::read(path).ok()?;
-                Arc::new(ImageFacts::read(path, &bytes, debug_roots)?)
-            };
+        let facts = if !named_as_libc(path) && has_interpreter(path) == Some(true) {
+            Arc::new(ImageFacts::NoSymbols { is_libc: false })
+        } else {
+            let bytes = std::fs::read(path).ok()?;
+            Arc::new(ImageFacts::read(path, &bytes, debug_roots)?)
+        };
         let mut all = cache.lock();
         Some(known(&all).unwrap_or_else(|| {
             all.push((key, facts.clone()));
@@ -201,7 +200,7 @@ impl ImageFacts {
                 Some(found) => found,
                 None => {
                     let is_libc = symbol(&elf, "malloc").is_some()
-                        && (elf.interpreter.is_none() || path.to_string_lossy().contains("libc"));
+                        && (elf.interpreter.is_none() || named_as_libc(path));
                     return Some(ImageFacts::NoSymbols { is_libc });
                 }
             },
@@ -235,6 +234,13 @@ impl ImageFacts {
                 .map(|&(_, vaddr)| m.start.wrapping_sub(page(vaddr)))
         })
     }
+}
+
+/// A file with an interpreter (a dynamically linked executable) is taken
+/// for a C library only when its name says so: glibc's `libc.so.6` names
+/// one, and can be run.
+fn named_as_libc(path: &Path) -> bool {
+    path.to_string_lossy().contains("libc")
 }
 
 /// Whether the ELF file at `path` names an interpreter (`PT_INTERP`: it is

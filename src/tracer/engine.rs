@@ -238,7 +238,7 @@ impl Tracer {
                 .map(|(&t, _)| t)
                 .filter(|t| !kept.iter().any(|(k, _)| k == t))
                 .collect();
-            let mut ended = 0;
+            let mut ended = false;
             let mut waiting = false;
             for t in siblings {
                 let ending = self.target.thread_ending(pid, t);
@@ -252,7 +252,7 @@ impl Tracer {
                         if matches!(Stopped::of(stop), Stopped::Exiting | Stopped::Gone) =>
                     {
                         self.dispatch(t, stop)?;
-                        ended += 1;
+                        ended = true;
                     }
                     Ok(Some(stop)) => kept.push((t, stop)),
                     Ok(None) => waiting |= ending,
@@ -261,7 +261,7 @@ impl Tracer {
                     Err(_) => {}
                 }
             }
-            if ended == 0 && (!waiting || Instant::now() >= deadline) {
+            if !ended && (!waiting || Instant::now() >= deadline) {
                 break;
             }
         }

@@ -4,9 +4,10 @@
 //! Subtleties (`ptrace(2)`): PTRACE_INTERRUPT reports its stop *before* a
 //! SIGTRAP that an int3, or the end of a step into a signal, already queued;
 //! detaching then would let that SIGTRAP kill the program. Such a thread is
-//! resumed once more so the queued trap is reported and consumed. A thread inside an allocator call it entered
-//! through a slot's stub is sent to return straight to its caller (through a
-//! `pop` + `ret` pair of the program's own code); that call is not recorded.
+//! resumed once more so the queued trap is reported and consumed. A thread
+//! inside an allocator call it entered through a slot's stub is sent to
+//! return straight to its caller (through a `pop` + `ret` pair of the
+//! program's own code); that call is not recorded.
 //! A thread standing in a trampoline moves to the same place in the original
 //! code, and the trampoline pages are unmapped, unless some thread stands
 //! where no such place exists.
