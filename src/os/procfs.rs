@@ -154,12 +154,6 @@ pub fn tgid(tid: Tid) -> Option<Tid> {
     field(&status, "Tgid:")?.parse().ok()
 }
 
-/// The pid of the process tracing `pid`, 0 for none.
-pub fn tracer_pid(pid: Tid) -> Option<Tid> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    field(&status, "TracerPid:")?.parse().ok()
-}
-
 /// The seccomp mode of thread `tid` (`Seccomp:` of its status file): 0
 /// none, 1 strict, 2 filter.
 pub fn seccomp_mode(tid: Tid) -> io::Result<u8> {
@@ -206,7 +200,6 @@ pub fn threads(pid: Tid) -> io::Result<Vec<Tid>> {
     Ok(tids)
 }
 
-/// The command line of a process, arguments joined by spaces.
 /// True when thread `tid` of `pid` is gone or dying (`State:` Z or X, or no
 /// status file): the kernel refuses to attach to it (EPERM), and it will
 /// make no more calls.
@@ -247,6 +240,7 @@ pub fn thread_tracer(pid: Tid, tid: Tid) -> Option<Tid> {
         .and_then(|v| v.trim().parse().ok())
 }
 
+/// The command line of a process, arguments joined by spaces.
 pub fn cmdline(pid: Tid) -> Option<String> {
     let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<String> = raw

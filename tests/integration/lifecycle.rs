@@ -34,19 +34,22 @@ fn cycles(variant: Variant, how: &str, count: usize) {
         if let End::Duration = end {
             cmd.args(["--duration", "1"]);
         }
-        let tracer = Background::start(&mut cmd);
+        let mut tracer = Background::start(&mut cmd);
         match end {
             End::Duration => {}
             // Once calls are committed: the attach is over, the probes live.
+            // (Or memptrace has ended: its exit status and stderr say why.)
             End::Interrupt | End::Terminate => {
                 crate::support::wait_until("calls committed", || {
-                    count_events(&db).is_some_and(|n| n > 0)
+                    count_events(&db).is_some_and(|n| n > 0) || tracer.has_ended()
                 });
                 let sig = match end {
                     End::Interrupt => libc::SIGINT,
                     _ => libc::SIGTERM,
                 };
-                tracer.signal(sig);
+                if !tracer.has_ended() {
+                    tracer.signal(sig);
+                }
             }
         }
         let out = tracer.finish();

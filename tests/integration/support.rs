@@ -474,6 +474,11 @@ impl Background {
         self.stdout.iter().map(|l| format!("{l}\n")).collect()
     }
 
+    /// The process has ended (its status is kept for [`Background::finish`]).
+    pub fn has_ended(&mut self) -> bool {
+        matches!(self.child.0.try_wait(), Ok(Some(_)))
+    }
+
     /// Send a signal to the process.
     pub fn signal(&self, sig: i32) {
         signal(self.pid(), sig);

@@ -351,9 +351,21 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
                 continue;
             }
             new = true;
+            // A thread id names a thread only while the thread lives: one
+            // that exited since the listing may already name a thread of
+            // another process (ids are reused as soon as the kernel's
+            // counter wraps, within a second on a box whose threads come
+            // and go). Seize only a thread still listed, and check whose
+            // thread it is once seized (a seized thread's id stays its own).
+            if tid != pid && target.thread_ending(pid, tid) {
+                continue;
+            }
             // Never EXITKILL: memptrace's death must not kill a process it
             // attached to (see `tracer::failopen`).
             match target.seize(tid, ptrace::ATTACH_OPTIONS) {
+                Ok(()) if tid != pid && target.tgid(tid).is_some_and(|owner| owner != pid) => {
+                    crate::tracer::life::detach::detach_running(target, tid);
+                }
                 Ok(()) => seized.push(tid),
                 // It exited meanwhile, or is exiting (the kernel refuses a
                 // thread whose exit has begun with EPERM), or it is already
@@ -372,7 +384,11 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
                 }
                 Err(source) => {
                     release(target, &seized);
-                    let tracer = target.tracer_pid(pid).filter(|&t| t != 0);
+                    // The tracer that holds the thread refused, else the
+                    // process's (the same for any debugger).
+                    let tracer = [tid, pid]
+                        .into_iter()
+                        .find_map(|t| target.thread_tracer(pid, t).filter(|&t| t != 0));
                     return Err(TraceError::Denied {
                         pid,
                         source,

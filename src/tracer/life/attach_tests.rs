@@ -71,11 +71,12 @@ fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() 
     fake.process(10, &[10, 11, 12]);
     fake.foreign.insert(11, 4242);
     let err = seize_all(&mut fake, 10).unwrap_err();
+    // Only a thread is held: its tracer is the one named.
     assert!(matches!(
         err,
         TraceError::Denied {
             pid: 10,
-            tracer: None,
+            tracer: Some(4242),
             ..
         }
     ));
@@ -95,6 +96,42 @@ fn a_thread_memptrace_holds_already_is_not_seized_again() {
     fake.process(10, &[10, 11]);
     fake.foreign.insert(11, std::process::id() as Tid);
     assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+}
+
+/// A thread listed, then gone, its id given to a thread of another
+/// process before the seize: that thread is let go at once, unstopped, and
+/// the attach goes on without it. (Two attaches side by side, each to a
+/// process whose threads come and go, met this way: one seized a thread of
+/// the other's process, which then found it held by another tracer.)
+#[test]
+fn a_thread_id_reused_by_another_process_is_let_go() {
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11, 12]);
+    fake.process(20, &[20]);
+    fake.reused.insert(11, 20);
+    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 12]);
+    let of_11: Vec<&Call> = fake
+        .calls
+        .iter()
+        .filter(|c| {
+            matches!(
+                c,
+                Call::Seize(11) | Call::Interrupt(11) | Call::Detach(11, _)
+            )
+        })
+        .collect();
+    assert_eq!(
+        of_11,
+        [&Call::Seize(11), &Call::Interrupt(11), &Call::Detach(11, 0)]
+    );
+    assert!(!fake.threads.get(&11).is_some_and(|t| t.stopped));
+
+    // Gone and not reused yet: not seized at all.
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11]);
+    fake.ending.insert(11);
+    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+    assert_eq!(seized(&fake), [10]);
 }
 
 #[test]

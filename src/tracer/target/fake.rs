@@ -144,6 +144,10 @@ pub struct FakeTarget {
     pub foreign: HashMap<Tid, Tid>,
     /// Dying threads (zombies: seizing them fails with EPERM).
     pub ending: HashSet<Tid>,
+    /// Thread ids the kernel gives to a thread of another process (the
+    /// value) just before memptrace seizes them: the thread listed exited
+    /// in between.
+    pub reused: HashMap<Tid, Tid>,
     /// The ptrace event each stopped thread is at, and its message.
     pub events: HashMap<Tid, (i32, u64)>,
     /// Signals queued for a thread and not reported yet (`SigPnd`).
@@ -311,6 +315,12 @@ impl Target for FakeTarget {
     }
 
     fn seize(&mut self, tid: Tid, _options: i32) -> io::Result<()> {
+        if let Some(owner) = self.reused.remove(&tid) {
+            for tids in self.tasks.values_mut() {
+                tids.retain(|&t| t != tid);
+            }
+            self.tasks.entry(owner).or_default().push(tid);
+        }
         let known = self.tasks.values().any(|tids| tids.contains(&tid));
         if !known {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
@@ -407,10 +417,6 @@ impl Target for FakeTarget {
 
     fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid> {
         (self.tgid(tid) == Some(pid)).then(|| self.foreign.get(&tid).copied().unwrap_or(0))
-    }
-
-    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
-        self.thread_tracer(pid, pid)
     }
 
     fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool {

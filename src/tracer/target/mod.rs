@@ -129,8 +129,6 @@ pub trait Target {
     fn thread_ending(&mut self, pid: Tid, tid: Tid) -> bool;
     /// The tracer of thread `tid` of `pid` (0 for none).
     fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid>;
-    /// The tracer of process `pid` (0 for none).
-    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid>;
     /// Thread `tid` of `pid` has signal `sig` queued, not reported yet
     /// (`SigPnd`: a trap an int3 raised behind a PTRACE_INTERRUPT stop).
     fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool;
@@ -249,10 +247,6 @@ impl Target for Live {
 
     fn thread_tracer(&mut self, pid: Tid, tid: Tid) -> Option<Tid> {
         procfs::thread_tracer(pid, tid)
-    }
-
-    fn tracer_pid(&mut self, pid: Tid) -> Option<Tid> {
-        procfs::tracer_pid(pid)
     }
 
     fn signal_pending(&mut self, pid: Tid, tid: Tid, sig: i32) -> bool {
