@@ -43,13 +43,18 @@ fn cycles(variant: Variant, how: &str, count: usize) {
                 crate::support::wait_until("calls committed", || {
                     count_events(&db).is_some_and(|n| n > 0) || tracer.has_ended()
                 });
+                if tracer.has_ended() {
+                    let out = tracer.finish();
+                    panic!(
+                        "{how} cycle {cycle} ({end:?}): memptrace ended before it was signalled: {:?} {}",
+                        out.status, out.stderr
+                    );
+                }
                 let sig = match end {
                     End::Interrupt => libc::SIGINT,
                     _ => libc::SIGTERM,
                 };
-                if !tracer.has_ended() {
-                    tracer.signal(sig);
-                }
+                tracer.signal(sig);
             }
         }
         let out = tracer.finish();
