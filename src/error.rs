@@ -76,6 +76,14 @@ pub enum Error {
     )]
     AttachDenied { pid: i32, source: io::Error },
     #[error(
+        "process {0} has already exited: it is a zombie its parent has not reaped; there is nothing to trace"
+    )]
+    ZombieProcess(i32),
+    #[error(
+        "the main thread of process {pid} has exited while {running} other thread(s) run on; ptrace cannot attach to a process whose main thread is gone, the process was left as it was"
+    )]
+    LeaderExited { pid: i32, running: usize },
+    #[error(
         "process {0}: no allocator (malloc, free, ...) found in any of its images (no symbol, no debug file, no C library signature matched); nothing to trace, the process was left as it was"
     )]
     NoAllocatorInProcess(i32),

@@ -9,9 +9,11 @@
  * or SIGINT (or 300 s), then prints its verdict and its truth (every call it
  * made) and exits 0 only if nothing was damaged. With `count-int`, SIGINT
  * is counted instead of ending it: `interrupt N` is printed once the Nth
- * has arrived, so a test can wait for it before sending the next.
+ * has arrived, so a test can wait for it before sending the next. With
+ * `leader-exits`, the main thread exits once "ready" is printed and the
+ * other threads run on (a zombie leader) until SIGKILL (or 300 s).
  *
- * usage: victim [THREADS [count-int]]      (default 4 threads) */
+ * usage: victim [THREADS [count-int|leader-exits]]      (default 4 threads) */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -157,6 +159,10 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_UNBLOCK, &term, NULL);
 
     printf("ready %d\n", (int)getpid());
+    if (argc > 2 && strcmp(argv[2], "leader-exits") == 0) {
+        alarm(300);
+        pthread_exit(NULL);
+    }
     int reported = 0;
     for (int i = 0; i < 300000 && !stop; i++) {
         usleep(1000);

@@ -251,6 +251,8 @@ fn attach_error(err: TraceError) -> Error {
             tracer: None,
         } => Error::AttachDenied { pid, source },
         TraceError::NoAllocator(pid) => Error::NoAllocatorInProcess(pid),
+        TraceError::Exited { pid, running: 0 } => Error::ZombieProcess(pid),
+        TraceError::Exited { pid, running } => Error::LeaderExited { pid, running },
         TraceError::AttachAbandoned { pid, reason } => Error::AttachAbandoned { pid, reason },
         other => Error::Trace(other),
     }

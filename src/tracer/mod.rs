@@ -230,6 +230,10 @@ pub enum TraceError {
         /// The process already tracing it, if any (`TracerPid`).
         tracer: Option<Tid>,
     },
+    /// Its main thread has exited (the process is a zombie, or its other
+    /// threads, `running` of them, run on without it).
+    #[error("the main thread of process {pid} has exited")]
+    Exited { pid: Tid, running: usize },
     #[error("no allocator function (malloc, free, ...) in any image of process {0}")]
     NoAllocator(Tid),
     #[error("attaching to process {pid} given up ({reason}); the process was left as it was")]

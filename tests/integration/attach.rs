@@ -318,6 +318,38 @@ fn attach_refusals() {
         &format!("is a thread of process {pid}"),
     );
 
+    // A process that has exited, not yet reaped by its parent (this test).
+    let mut zombie = std::process::Command::new("true").spawn().unwrap();
+    let zombie_pid = zombie.id() as i32;
+    crate::support::wait_until("the child is a zombie", || {
+        proc_status(zombie_pid, "State").is_some_and(|s| s.starts_with('Z'))
+    });
+    refused(
+        &[&zombie_pid.to_string()],
+        &format!("process {zombie_pid} has already exited"),
+    );
+    zombie.wait().unwrap();
+
+    // A process whose main thread has exited while its other threads run.
+    let mut headless = Background::start(
+        std::process::Command::new(tracee(Variant::Dynamic, "victim")).args(["2", "leader-exits"]),
+    );
+    let headless_pid: i32 = headless.wait_for("ready").parse().unwrap();
+    crate::support::wait_until("the main thread is a zombie", || {
+        proc_status(headless_pid, "State").is_some_and(|s| s.starts_with('Z'))
+    });
+    refused(
+        &[&headless_pid.to_string()],
+        &format!("the main thread of process {headless_pid} has exited while 3 other thread(s)"),
+    );
+    assert_eq!(
+        proc_status(headless_pid, "TracerPid").as_deref(),
+        Some("0"),
+        "left untraced"
+    );
+    headless.signal(libc::SIGKILL);
+    headless.finish();
+
     // Somebody else is tracing it.
     let dir = scratch("attach-twice");
     let first = dir.join("first.db");

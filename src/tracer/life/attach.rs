@@ -382,6 +382,19 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
                     release(target, &seized);
                     return Err(TraceError::NoSuchProcess(pid));
                 }
+                // The main thread has exited: the kernel refuses a thread
+                // whose exit has begun, and the process cannot be traced
+                // without it, whether its other threads run on or it is a
+                // zombie its parent has not reaped.
+                Err(_) if tid == pid && target.thread_ending(pid, pid) => {
+                    release(target, &seized);
+                    let threads = target.threads(pid).unwrap_or_default();
+                    let running = threads
+                        .into_iter()
+                        .filter(|&t| t != pid && !target.thread_ending(pid, t))
+                        .count();
+                    return Err(TraceError::Exited { pid, running });
+                }
                 Err(source) => {
                     release(target, &seized);
                     // The tracer that holds the thread refused, else the
