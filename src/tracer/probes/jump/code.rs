@@ -185,7 +185,7 @@ fn claim(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), 
     a.test(r11, r11)?;
     a.jz(l.claim)?;
     a.cmp(rsp, r11)?;
-    a.jb(if map { l.skip_nested } else { l.in_probe })?;
+    a.jb(if map { l.displaced } else { l.in_probe })?;
     a.set_label(&mut l.claim)?;
     a.mov(qword_ptr(SLOT + slot::BUSY as i32), rsp)?;
     a.test(byte_ptr(SLOT + slot::FLAGS as i32), 1)?;
@@ -194,7 +194,7 @@ fn claim(a: &mut CodeAssembler, l: &mut Labels, spec: &ProbeSpec) -> Result<(), 
     a.test(r11, r11)?;
     a.jz(l.outermost)?;
     a.cmp(rsp, r11)?;
-    a.jb(l.release_nested)?;
+    a.jb(if map { l.release } else { l.release_nested })?;
     a.inc(qword_ptr(SLOT + slot::ABANDONED as i32))?;
     a.mov(qword_ptr(SLOT + slot::PENDING_SP as i32), 0)?;
     a.set_label(&mut l.outermost)?;

@@ -19,9 +19,14 @@ pub(super) fn not_recorded(
 ) -> Result<(), IcedError> {
     let map = matches!(spec.what, Called::Map(_));
     // Not recorded: nested in the thread's call, in a signal handler
-    // inside a probe of the thread, or a vfork child's.
-    a.set_label(&mut l.release_nested)?;
-    a.inc(qword_ptr(SLOT + slot::NESTED as i32))?;
+    // inside a probe of the thread, or a vfork child's. Counted for an
+    // allocator call only: a mapping call inside another (sbrk's brk) is
+    // left out by design, as the int3 path leaves it out, and goes
+    // straight to `release` or `displaced` (see `code::claim`).
+    if !map {
+        a.set_label(&mut l.release_nested)?;
+        a.inc(qword_ptr(SLOT + slot::NESTED as i32))?;
+    }
     a.set_label(&mut l.release)?;
     a.mov(qword_ptr(SLOT + slot::BUSY as i32), 0)?;
     a.jmp(l.displaced)?;
@@ -35,10 +40,10 @@ pub(super) fn not_recorded(
         a.bts(rax, 62)?;
         find_slot(a, spec.control, l.found)?;
         a.mov(SLOT, INTERRUPTED)?; // no signal slot: counted in the interrupted one's
+        a.set_label(&mut l.skip_nested)?;
+        a.inc(qword_ptr(SLOT + slot::NESTED as i32))?;
+        a.jmp(l.displaced)?;
     }
-    a.set_label(&mut l.skip_nested)?;
-    a.inc(qword_ptr(SLOT + slot::NESTED as i32))?;
-    a.jmp(l.displaced)?;
     Ok(())
 }
 
