@@ -244,13 +244,15 @@ const COMMIT_RECORDS: u64 = 32 * 1024;
 /// the batch being written included. Bounded by bytes, not batches (a
 /// batch is one record or tens of thousands), so a target that allocates
 /// faster than the disk writes is slowed down rather than memptrace
-/// growing without limit. 16 MiB is about 130 000 events, an eighth of a
+/// growing without limit. 8 MiB is about 65 000 events, a sixteenth of a
 /// second at a million calls a second, and the largest batch (`BACKLOG`
 /// calls of the outbox) stays under it. At 32 MiB, this queue, the
 /// pipeline's and the tracer's backlog held 60-100 MB more at memptrace's
 /// peak (30 M calls of the scale workload, issue 19 item 4), for no less
-/// CPU or fewer ring waits.
-const QUEUE_BYTES: u64 = 16 << 20;
+/// CPU or fewer ring waits; at 16 MiB, 30-40 MB more at 100 M calls once
+/// mapping calls no longer stopped the program (docs/performance.md,
+/// "Mapping calls by jump probes").
+const QUEUE_BYTES: u64 = 8 << 20;
 
 /// About the bytes a batch of records holds: its vector's whole capacity,
 /// not only the records in it (a vector grown by doubling holds up to twice

@@ -27,8 +27,8 @@ const BATCH_BYTES: usize = 1 << 20;
 /// many batches' worth of messages, or `BACKLOG_BYTES` of stack copies;
 /// then the tracer waits for room. So what waits for unwinding stays under
 /// the queue's bound and this batch.
-const BACKLOG: usize = 32;
-const BACKLOG_BYTES: usize = 16 * BATCH_BYTES;
+const BACKLOG: usize = 16;
+const BACKLOG_BYTES: usize = 8 * BATCH_BYTES;
 
 pub struct Outbox {
     pipeline: PipelineHandle,

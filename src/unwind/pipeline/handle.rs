@@ -19,10 +19,11 @@ pub struct PipelineHandle {
 /// [`weigh`]), the batch being unwound included: a batch is anything from
 /// one message to tens of thousands of calls, and a bound of 32 batches let
 /// about 1 GB of calls wait under `-f -- make -j2`. Like the recorder's
-/// queue, 16 MiB: what waits here and there is most of memptrace's heap
+/// queue, 8 MiB: what waits here and there is most of memptrace's heap
 /// while the target allocates faster than the trace is written (at 32 MiB,
-/// 60-100 MB more at its peak; docs/performance.md, issue 19 item 4).
-const QUEUE_BYTES: u64 = 16 << 20;
+/// 60-100 MB more at its peak, at 16 MiB 30-40 MB; docs/performance.md,
+/// issue 19 item 4).
+const QUEUE_BYTES: u64 = 8 << 20;
 
 /// About the bytes a batch holds: its messages and what they point to
 /// (stack copies, frames), not the images they share. Vectors count by
