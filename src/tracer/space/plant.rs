@@ -84,7 +84,12 @@ impl Space {
             }
             // Jump probes record only once the control area is made.
             match (kind, self.probing.next_jump()) {
-                (HookKind::Mapping { op }, Some(next)) if next.fail_open || walkable => {
+                // Launched, a mapping function may be called before TLS is
+                // set up (a static glibc's start maps memory when brk
+                // fails), where only `rdfsbase` finds the slot safely.
+                (HookKind::Mapping { op }, Some(next))
+                    if next.fail_open || (walkable && next.reads_fs_base()) =>
+                {
                     let kind = HookKind::Mapping { op };
                     let how = self.plant_jump(tid, module, maps, addr, kind, next, signals)?;
                     changes.planted.push(Planted {
