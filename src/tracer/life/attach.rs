@@ -388,7 +388,10 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
                 // zombie its parent has not reaped.
                 Err(_) if tid == pid && target.thread_ending(pid, pid) => {
                     release(target, &seized);
-                    let threads = target.threads(pid).unwrap_or_default();
+                    // Gone since (reaped): no such process any more.
+                    let Ok(threads) = target.threads(pid) else {
+                        return Err(TraceError::NoSuchProcess(pid));
+                    };
                     let running = threads
                         .into_iter()
                         .filter(|&t| t != pid && !target.thread_ending(pid, t))
