@@ -249,9 +249,9 @@ const COMMIT_RECORDS: u64 = 32 * 1024;
 /// calls of the outbox) stays under it. At 32 MiB, this queue, the
 /// pipeline's and the tracer's backlog held 60-100 MB more at memptrace's
 /// peak (30 M calls of the scale workload, issue 19 item 4), for no less
-/// CPU or fewer ring waits; at 16 MiB, 30-40 MB more at 100 M calls once
-/// mapping calls no longer stopped the program (docs/performance.md,
-/// "Mapping calls by jump probes").
+/// CPU or fewer ring waits; at 16 MiB, about 30 MB more at 100 M calls
+/// (docs/performance.md, "Mapping calls by jump probes, and smaller
+/// queues").
 const QUEUE_BYTES: u64 = 8 << 20;
 
 /// About the bytes a batch of records holds: its vector's whole capacity,

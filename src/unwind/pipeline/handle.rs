@@ -21,7 +21,7 @@ pub struct PipelineHandle {
 /// about 1 GB of calls wait under `-f -- make -j2`. Like the recorder's
 /// queue, 8 MiB: what waits here and there is most of memptrace's heap
 /// while the target allocates faster than the trace is written (at 32 MiB,
-/// 60-100 MB more at its peak, at 16 MiB 30-40 MB; docs/performance.md,
+/// 60-100 MB more at its peak, at 16 MiB about 30 MB; docs/performance.md,
 /// issue 19 item 4).
 const QUEUE_BYTES: u64 = 8 << 20;
 
