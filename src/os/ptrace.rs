@@ -22,6 +22,7 @@ pub const OPTIONS: libc::c_int = libc::PTRACE_O_TRACESYSGOOD
     | libc::PTRACE_O_TRACECLONE
     | libc::PTRACE_O_TRACEFORK
     | libc::PTRACE_O_TRACEVFORK
+    | libc::PTRACE_O_TRACEVFORKDONE
     | libc::PTRACE_O_TRACEEXEC
     | libc::PTRACE_O_TRACEEXIT;
 

@@ -212,6 +212,10 @@ impl Tracer {
                 self.resume(tid, 0)
             }
             Stopped::GroupStop(_) => Ok(ptrace::unless_gone(self.target.listen(tid))?),
+            Stopped::VforkDone => {
+                self.family.vfork_done(tid);
+                self.resume(tid, 0)
+            }
             Stopped::Interrupt => self.resume(tid, 0),
         }
     }

@@ -29,6 +29,10 @@ pub enum Stopped {
     Exec,
     /// PTRACE_EVENT_EXIT: the thread is about to exit.
     Exiting,
+    /// PTRACE_EVENT_VFORK_DONE: the thread's vfork child exec'd or exited,
+    /// and no longer runs in its memory; reported before the thread runs
+    /// on.
+    VforkDone,
     /// A group-stop for this stopping signal (SIGSTOP, SIGTSTP, SIGTTIN,
     /// SIGTTOU): the thread stays stopped (PTRACE_LISTEN) until SIGCONT.
     GroupStop(i32),
@@ -60,6 +64,7 @@ impl Stopped {
             ) => Stopped::Birth(event),
             Stop::Event(libc::PTRACE_EVENT_EXEC) => Stopped::Exec,
             Stop::Event(libc::PTRACE_EVENT_EXIT) => Stopped::Exiting,
+            Stop::Event(libc::PTRACE_EVENT_VFORK_DONE) => Stopped::VforkDone,
             Stop::EventStop(sig) if is_stopping_signal(sig) => Stopped::GroupStop(sig),
             Stop::Event(_) | Stop::EventStop(_) | Stop::Syscall => Stopped::Interrupt,
         }
@@ -106,6 +111,10 @@ mod tests {
         assert_eq!(
             Stopped::of(Stop::Event(libc::PTRACE_EVENT_EXIT)),
             Stopped::Exiting
+        );
+        assert_eq!(
+            Stopped::of(Stop::Event(libc::PTRACE_EVENT_VFORK_DONE)),
+            Stopped::VforkDone
         );
         assert_eq!(
             Stopped::of(Stop::EventStop(libc::SIGTSTP)),

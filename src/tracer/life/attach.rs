@@ -304,7 +304,7 @@ impl<T: Target> Life<'_, T> {
                     }
                     resume.insert(tid, Resume::Cont(0));
                 }
-                Stopped::Exec | Stopped::Exiting | Stopped::Interrupt => {
+                Stopped::Exec | Stopped::Exiting | Stopped::Interrupt | Stopped::VforkDone => {
                     resume.insert(tid, Resume::Cont(0));
                 }
             }

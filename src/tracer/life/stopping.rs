@@ -139,7 +139,7 @@ impl<T: Target> Life<'_, T> {
                 }
             }
             Stopped::Exiting => {}
-            Stopped::GroupStop(_) | Stopped::Interrupt => {
+            Stopped::GroupStop(_) | Stopped::Interrupt | Stopped::VforkDone => {
                 // The stop came before a trap of memptrace's that is queued
                 // already: an int3 just hit, or the end of a step into a
                 // signal (the kernel reports the interrupt first if it

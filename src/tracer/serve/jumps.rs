@@ -129,17 +129,38 @@ impl Family {
     }
 
     /// A vfork child (`pid`) execs or exits: its parent's thread records
-    /// again, and the slots the child took in its parent's memory go.
+    /// again (unless its vfork-done stop let it already), and the slots the
+    /// child took in its parent's memory go.
     pub fn end_sharing(&mut self, pid: Tid) {
-        let Some(process) = self.processes.get(&pid) else {
+        let Some(process) = self.processes.get_mut(&pid) else {
             return;
         };
-        let (Role::Shares { parent }, Some(by)) = (process.role, process.paused) else {
+        let Role::Shares { parent } = process.role else {
             return;
         };
+        let by = process.paused.take();
         if let Some(control) = self.space_mut(parent).and_then(|s| s.control_mut()) {
-            control.pause(by, false);
+            if let Some(by) = by {
+                control.pause(by, false);
+            }
             control.release_all_of(pid);
+        }
+    }
+
+    /// Thread `tid`'s vfork child exec'd or exited (its vfork-done stop,
+    /// which comes before `tid` runs on): `tid` records again now. The
+    /// child's exec or exit reaches memptrace later, while `tid` may
+    /// already be allocating (posix_spawn's parent frees what it set up
+    /// as soon as it returns): waiting for it lost those calls.
+    pub fn vfork_done(&mut self, tid: Tid) {
+        let children: Vec<Tid> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| matches!(p.role, Role::Shares { .. }) && p.paused == Some(tid))
+            .map(|(&child, _)| child)
+            .collect();
+        for child in children {
+            self.end_sharing(child);
         }
     }
 }
