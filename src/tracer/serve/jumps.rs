@@ -151,7 +151,10 @@ impl Family {
     /// which comes before `tid` runs on): `tid` records again now. The
     /// child's exec or exit reaches memptrace later, while `tid` may
     /// already be allocating (posix_spawn's parent frees what it set up
-    /// as soon as it returns): waiting for it lost those calls.
+    /// as soon as it returns): waiting for it lost those calls. Only when
+    /// that child is the one sharing `tid`'s thread pointer: a raw
+    /// `clone(CLONE_VM)` child of `tid` still running on it keeps the
+    /// slots paused until its own exec or exit.
     pub fn vfork_done(&mut self, tid: Tid) {
         let children: Vec<Tid> = self
             .processes
@@ -159,7 +162,7 @@ impl Family {
             .filter(|(_, p)| matches!(p.role, Role::Shares { .. }) && p.paused == Some(tid))
             .map(|(&child, _)| child)
             .collect();
-        for child in children {
+        if let [child] = children[..] {
             self.end_sharing(child);
         }
     }
