@@ -74,6 +74,15 @@ impl UnwindTable {
         let i = self.keys.partition_point(|&k| k <= svma).checked_sub(1)?;
         Some(self.rules[i])
     }
+
+    /// CFI says how to leave the code at `svma` (a walk from there needs
+    /// no frame pointer).
+    pub fn covers(&self, svma: u64) -> bool {
+        u32::try_from(svma)
+            .ok()
+            .and_then(|svma| self.rule_at(svma))
+            .is_some_and(|r| r & rule::NONE == 0)
+    }
 }
 
 /// The table of `image`'s CFI.

@@ -34,8 +34,9 @@ pub enum HookKind {
     /// An allocator function; `ops` as in [`crate::symbols::elf::AllocatorEntry`]
     /// (several when names share the address).
     Allocator { module_id: u64, ops: Vec<Op> },
-    /// A mapping function (mmap, munmap, brk...): always an int3 probe, a
-    /// stop per call (they are few, and take up to six arguments).
+    /// A mapping function (mmap, munmap, brk...): a jump probe like an
+    /// allocator function's, or an int3 probe (a stop per call) with int3
+    /// probes or where a jump is not safe.
     Mapping { op: MapOp },
     /// The dynamic linker's `_dl_debug_state`: images were mapped or unmapped.
     DebugState,

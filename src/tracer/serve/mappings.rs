@@ -1,12 +1,16 @@
-//! Mapping calls: mmap, munmap, mremap, brk, sbrk, madvise and mprotect,
-//! caught by int3 probes whatever `--probes` says (a program makes few of
-//! them, and they take up to six arguments), entered through the slot's call
-//! stub so that their result is seen, and recorded with their stack as
-//! allocator calls are; but in an attach with jump probes, where an int3
-//! would kill the process if memptrace died, by jump probes that record
-//! them into the rings (see `probes::jump::code`), booked here. Only a thread's outermost mapping call is recorded
-//! (glibc's sbrk calls brk). Whether the allocator made the call (arena
-//! growth, a large block) is told by the pipeline, from the stack.
+//! Mapping calls: mmap, munmap, mremap, brk, sbrk, madvise and mprotect.
+//! With jump probes they get jump probes too, which record them into the
+//! rings (see `probes::jump::code`), booked here: a program with thread
+//! arenas grows and shrinks their heaps with an mprotect every few hundred
+//! allocator calls, and a stop each (two, with the return) cost the
+//! program more than the calls themselves. Where a jump is not safe, and
+//! with int3 probes, an int3 probe catches them, entered through the
+//! slot's call stub so that their result is seen, and records them with
+//! their stack as allocator calls are; attached with jump probes, where an
+//! int3 would kill the process if memptrace died, such a function is left
+//! unhooked. Only a thread's outermost mapping call is recorded (glibc's
+//! sbrk calls brk). Whether the allocator made the call (arena growth, a
+//! large block) is told by the pipeline, from the stack.
 
 use crate::event::{MapEvent, MapOp};
 use crate::os::ptrace::Tid;

@@ -143,8 +143,10 @@ impl FakeSpace {
     pub fn hook(&mut self) -> Changes {
         let mut changes = Changes::default();
         let module = self.module.clone();
+        let table = super::shelf::table(&module.image);
+        let walkable = super::plant::allocator_walkable(&module.image, &table);
         self.space
-            .hook(PID, &module, &[], &mut changes)
+            .hook(PID, &module, &[], walkable, &mut changes)
             .expect("hooked on the fake");
         changes
     }

@@ -190,7 +190,7 @@ fn hooking_without_an_area_or_a_syscall_fails_and_changes_no_byte() {
     let mut changes = super::Changes::default();
     let err = fake
         .space
-        .hook(PID, &module, &[], &mut changes)
+        .hook(PID, &module, &[], true, &mut changes)
         .unwrap_err();
     assert!(
         matches!(err, super::SpaceError::NoSyscall("map a page")),

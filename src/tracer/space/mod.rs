@@ -28,7 +28,7 @@ pub mod probing;
 mod retpaths;
 mod shelf;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io;
 use std::ops::Range;
 
@@ -366,12 +366,17 @@ impl Space {
                 self.probing.fall_back(why);
             }
         }
+        // Images whose allocator functions a jump probe's walk can leave.
+        let mut walkable = HashSet::new();
         if let Some(control) = self.probing.control_mut() {
             for module in &changes.added {
                 let table = self
                     .ahead
                     .take_table(module)
                     .unwrap_or_else(|| shelf::table(&module.image));
+                if plant::allocator_walkable(&module.image, &table) {
+                    walkable.insert(module.range.start);
+                }
                 control.add_image(module.range.clone(), module.bias.0, &table);
             }
         }
@@ -379,7 +384,8 @@ impl Space {
         self.ahead = images::Ahead::default();
         let added = changes.added.clone();
         for module in &added {
-            if let Err(err) = self.hook(tid, module, &maps, &mut changes) {
+            let walkable = walkable.contains(&module.range.start);
+            if let Err(err) = self.hook(tid, module, &maps, walkable, &mut changes) {
                 if let SpaceError::Inject(inject::InjectError::Forbidden(why)) = &err {
                     self.refused.get_or_insert_with(|| why.to_string());
                 }

@@ -16,23 +16,43 @@ use super::{Changes, How, Int3Why, Planted, Space, SpaceError, Unhooked};
 use crate::addr::Svma;
 use crate::os::procfs::{self, Mapping};
 use crate::os::ptrace::Tid;
+use crate::symbols::elf::ElfImage;
 use crate::tracer::inject;
 use crate::tracer::probes::int3::{self, DISPLACED, INT3, SLOT_SIZE};
 use crate::tracer::probes::jump::code as probe_code;
 use crate::tracer::probes::jump::layout::Called;
 use crate::tracer::probes::jump::plan;
 use crate::tracer::probes::{Hook, HookKind, Probe};
+use crate::unwind::tables::UnwindTable;
+
+/// `image` was built with unwind tables, and they cover its allocator
+/// functions (their code, where an entry only jumps to it): a jump probe's
+/// walk from a mapping call the allocator makes inside them (arena growth,
+/// a large block) leaves them, to the allocator call and the program, as
+/// an int3 probe's unwinder does. musl's `libc.a` has no unwind tables
+/// (memptrace describes some of its functions, `symbols::height`): a walk
+/// inside the target stopped in its allocator's helpers, where the int3
+/// probe's unwinder, on a copy of the stack, finds the rest.
+pub(super) fn allocator_walkable(image: &ElfImage, table: &UnwindTable) -> bool {
+    let entries = image.allocators.iter().map(|a| a.svma.0);
+    let bodies = image.allocator_bodies.iter().map(|(range, _)| range.start);
+    !image.lacks_cfi() && entries.chain(bodies).all(|at| table.covers(at))
+}
 
 impl Space {
     /// Hook what memptrace must see in `module`, a new image of this space:
     /// its allocator functions, its mapping functions and the dynamic
     /// linker's `_dl_debug_state`, each with the probe the space's mode
-    /// gives it; what was planted goes into `changes`.
+    /// gives it; what was planted goes into `changes`. `walkable`: a jump
+    /// probe's walk leaves the image's allocator functions (see
+    /// [`allocator_walkable`]), so its mapping functions may have jump
+    /// probes in a launch too.
     pub(super) fn hook(
         &mut self,
         tid: Tid,
         module: &LoadedModule,
         maps: &[Mapping],
+        walkable: bool,
         changes: &mut Changes,
     ) -> Result<(), SpaceError> {
         let mut targets: Vec<(u64, HookKind)> = module
@@ -64,7 +84,12 @@ impl Space {
             }
             // Jump probes record only once the control area is made.
             match (kind, self.probing.next_jump()) {
-                (HookKind::Mapping { op }, Some(next)) if next.fail_open => {
+                // Launched, a mapping function may be called before TLS is
+                // set up (a static glibc's start maps memory when brk
+                // fails), where only `rdfsbase` finds the slot safely.
+                (HookKind::Mapping { op }, Some(next))
+                    if next.fail_open || (walkable && next.reads_fs_base()) =>
+                {
                     let kind = HookKind::Mapping { op };
                     let how = self.plant_jump(tid, module, maps, addr, kind, next, signals)?;
                     changes.planted.push(Planted {
@@ -113,8 +138,10 @@ impl Space {
 
     /// A jump probe on the allocator function at `addr` (`kind`): a jump to
     /// it where that is safe, else an int3 that memptrace turns into the
-    /// same. On a mapping function (attach only, see `tracer::failopen`),
-    /// a jump or nothing: its calls are then not recorded. Says which.
+    /// same. On a mapping function, a jump where that is safe, else an int3
+    /// probe of its own (a stop per call) or, attached (see
+    /// `tracer::failopen`), nothing: its calls are then not recorded. Says
+    /// which.
     #[allow(clippy::too_many_arguments)]
     fn plant_jump(
         &mut self,
@@ -140,7 +167,11 @@ impl Space {
         }
         let plan = plan::plan(&code, addr);
         if let (Some(_), Some(why)) = (map, plan.int3) {
-            return Ok(How::Unhooked(Unhooked::NeedsJump(why)));
+            if next.fail_open {
+                return Ok(How::Unhooked(Unhooked::NeedsJump(why)));
+            }
+            self.plant_int3(tid, module, maps, addr, kind, signals)?;
+            return Ok(How::Int3(Some(Int3Why::Plan(why))));
         }
         let spec = next.spec(what, &plan);
         // Its size, assembled near where it will go, with room for branches

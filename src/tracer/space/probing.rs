@@ -113,6 +113,13 @@ pub struct NextJump {
 }
 
 impl NextJump {
+    /// The probe finds a thread's slot by `rdfsbase`, which a thread whose
+    /// thread pointer is not set yet (a static program's start, before its
+    /// C library sets up TLS) executes safely; else it reads `fs:[0]`.
+    pub fn reads_fs_base(&self) -> bool {
+        self.fsgsbase
+    }
+
     /// The probe for calls of `what` at the entry `plan` patches.
     pub fn spec(&self, what: Called, plan: &Plan) -> ProbeSpec {
         ProbeSpec {
