@@ -502,7 +502,9 @@ struct Frozen {
 
 impl Frozen {
     fn new(pid: i32) -> Frozen {
-        let name = format!("memptrace-test-{pid}");
+        // Named after this test process too: a cgroup left by one that was
+        // killed (its drop never ran) is thawed and removed here.
+        let name = format!("memptrace-test-{}-{pid}", std::process::id());
         // cgroup v1's freezer, or v2's cgroup.freeze (unified or pure v2).
         let candidates = [
             (
@@ -514,6 +516,9 @@ impl Frozen {
             ("/sys/fs/cgroup/unified", "cgroup.freeze", "1", "0"),
             ("/sys/fs/cgroup", "cgroup.freeze", "1", "0"),
         ];
+        for (root, state, _, thawed) in candidates {
+            Frozen::sweep(std::path::Path::new(root), state, thawed);
+        }
         for (root, state, frozen, thawed) in candidates {
             let dir = std::path::Path::new(root).join(&name);
             if std::fs::create_dir(&dir).is_err() {
@@ -533,6 +538,40 @@ impl Frozen {
             return cgroup;
         }
         panic!("this test needs a cgroup freezer (cgroup v1 freezer or v2), as root");
+    }
+}
+
+impl Frozen {
+    /// Thaw and remove the cgroups under `root` whose test process is
+    /// gone, and end the victims frozen in them.
+    fn sweep(root: &std::path::Path, state: &'static str, thawed: &'static str) {
+        let Ok(entries) = std::fs::read_dir(root) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(owner) = name
+                .strip_prefix("memptrace-test-")
+                .and_then(|rest| rest.split_once('-'))
+                .and_then(|(owner, _)| owner.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if std::path::Path::new(&format!("/proc/{owner}")).exists() {
+                continue;
+            }
+            let stale = Frozen {
+                dir: entry.path(),
+                state,
+                thawed,
+            };
+            let procs = std::fs::read_to_string(stale.dir.join("cgroup.procs")).unwrap_or_default();
+            for pid in procs.lines().filter_map(|p| p.parse::<i32>().ok()) {
+                // SAFETY: plain system call; a victim gone meanwhile is fine.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            drop(stale);
+        }
     }
 }
 
