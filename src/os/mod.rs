@@ -14,6 +14,7 @@ pub mod libunwind;
 pub mod local;
 pub mod mem;
 pub mod own_heap;
+pub mod pidfd;
 pub mod procfs;
 pub mod ptrace;
 pub mod resident;

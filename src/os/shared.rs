@@ -31,15 +31,11 @@ pub fn take_fd(pid: Tid, fd: i32) -> io::Result<OwnedFd> {
 }
 
 fn pidfd_getfd(pid: Tid, fd: i32) -> io::Result<OwnedFd> {
-    // SAFETY: plain system calls with integer arguments; each returned
+    let pidfd = super::pidfd::Pidfd::open(pid)?;
+    // SAFETY: a plain system call with integer arguments; the returned
     // descriptor is owned here from the moment it exists.
     unsafe {
-        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid, 0);
-        if pidfd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let pidfd = OwnedFd::from_raw_fd(pidfd as i32);
-        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0);
+        let got = libc::syscall(libc::SYS_pidfd_getfd, pidfd.fd(), fd, 0);
         if got < 0 {
             return Err(io::Error::last_os_error());
         }

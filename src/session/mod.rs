@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use crate::cli::{Config, TraceConfig};
 use crate::error::Error;
+use crate::os::pidfd::Pidfd;
 use crate::os::procfs;
 use crate::os::{launch, ptrace, signals};
 use crate::program;
@@ -161,6 +162,16 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     // As at a launch: no signal kills memptrace while it makes the database.
     signals::install()?;
     let wrappers = Wrappers::new(&config.wrappers).map_err(Error::Wrapper)?;
+    // The process the number names now: the one checked below, and the
+    // one traced (should it be reaped before the seize and its number
+    // given to another, that one is let go). None on a kernel without
+    // pidfds (before 5.3).
+    let origin = match Pidfd::open(pid) {
+        Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
+            return Err(Error::NoSuchProcess(pid));
+        }
+        opened => opened.ok(),
+    };
     if procfs::tgid(pid).is_none() {
         return Err(Error::NoSuchProcess(pid));
     }
@@ -181,6 +192,7 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
         options(&config, duration),
         recording.pipeline(&config),
         pid,
+        origin.as_ref(),
         recording.clock,
         recording.progress.clone(),
         recording.heap_facts.clone(),

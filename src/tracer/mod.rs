@@ -330,15 +330,18 @@ impl Tracer {
     /// Attach to the running process `pid` and hook it. On return every
     /// thread runs again (or stays in the group-stop it was found in); on
     /// error nothing of the process was changed (see `attach.rs`).
+    /// `origin`: the process `pid` named when the command was checked (a
+    /// pid reused since is not traced in its place).
     pub fn attach(
         opts: TraceOptions,
         pipeline: PipelineHandle,
         pid: Tid,
+        origin: Option<&crate::os::pidfd::Pidfd>,
         clock: Instant,
         progress: Arc<Progress>,
         heap_facts: heap::Facts,
     ) -> Result<Tracer, TraceError> {
-        life::attach::attach(opts, pipeline, pid, clock, progress, heap_facts)
+        life::attach::attach(opts, pipeline, pid, origin, clock, progress, heap_facts)
     }
 
     /// A tracer that traces nothing yet.

@@ -14,6 +14,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::os::pidfd::Pidfd;
 use crate::os::ptrace::{self, Tid};
 use crate::tracer::life::Life;
 use crate::tracer::life::pauses::PauseClock;
@@ -39,10 +40,12 @@ enum Resume {
 /// [`Tracer::attach`]). On return every thread runs again (or stays in the
 /// group-stop it was found in) and the wait loop takes over. On error
 /// nothing of the process was changed and every thread seized is detached.
+/// `origin`: the process `pid` named when the user's command was checked.
 pub(in crate::tracer) fn attach(
     opts: TraceOptions,
     pipeline: PipelineHandle,
     pid: Tid,
+    origin: Option<&Pidfd>,
     clock: Instant,
     progress: Arc<Progress>,
     heap_facts: crate::heap::Facts,
@@ -72,7 +75,7 @@ pub(in crate::tracer) fn attach(
         .family
         .processes
         .insert(pid, Process::new(Role::Traced, None));
-    let seized = seize_all(&mut target, pid)?;
+    let seized = seize_all(&mut target, pid, origin)?;
     for &tid in &seized {
         tracer.add_thread(tid, pid);
     }
@@ -336,7 +339,14 @@ fn sorted(tids: &HashSet<Tid>) -> Vec<Tid> {
 
 /// Seize every thread of `pid`, again and again until no new one appears:
 /// a thread not yet seized can create threads that nobody auto-attaches.
-fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError> {
+/// If `origin`, the process `pid` named when it was checked, has been
+/// reaped since, the number may name another process: its threads are let
+/// go and the process is reported gone.
+fn seize_all(
+    target: &mut impl Target,
+    pid: Tid,
+    origin: Option<&Pidfd>,
+) -> Result<Vec<Tid>, TraceError> {
     let mut seen = HashSet::new();
     let mut seized = Vec::new();
     loop {
@@ -416,6 +426,13 @@ fn seize_all(target: &mut impl Target, pid: Tid) -> Result<Vec<Tid>, TraceError>
         if !new {
             break;
         }
+    }
+    // Unreaped now, it was all along: every thread seized is its own, and
+    // what was read of the process before (its images, its heap's layout,
+    // the checks of the command) was read of it.
+    if origin.is_some_and(|origin| !origin.unreaped()) {
+        release(target, &seized);
+        return Err(TraceError::NoSuchProcess(pid));
     }
     Ok(seized)
 }

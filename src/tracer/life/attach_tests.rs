@@ -26,7 +26,7 @@ fn seized(fake: &FakeTarget) -> Vec<Tid> {
 fn every_thread_is_seized_and_none_is_stopped() {
     let mut fake = FakeTarget::new();
     fake.process(10, &[12, 10, 11]);
-    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11, 12]);
+    assert_eq!(seize_all(&mut fake, 10, None).unwrap(), [10, 11, 12]);
     assert_eq!(seized(&fake), [10, 11, 12]);
     assert!(fake.threads.values().all(|t| !t.stopped));
     assert!(fake.pending.is_empty());
@@ -37,7 +37,7 @@ fn a_dying_thread_is_passed_over_but_a_dying_leader_is_an_error() {
     let mut fake = FakeTarget::new();
     fake.process(10, &[10, 11, 12]);
     fake.ending.insert(12);
-    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 11]);
+    assert_eq!(seize_all(&mut fake, 10, None).unwrap(), [10, 11]);
 
     // The main thread gone, two threads on (one of them dying): an exited
     // main thread, not a refusal of permission. A zombie: nothing runs.
@@ -45,7 +45,7 @@ fn a_dying_thread_is_passed_over_but_a_dying_leader_is_an_error() {
         let mut fake = FakeTarget::new();
         fake.process(10, tids);
         fake.ending.extend(ending);
-        match seize_all(&mut fake, 10) {
+        match seize_all(&mut fake, 10, None) {
             Err(TraceError::Exited { pid, running: n }) => assert_eq!((pid, n), (10, running)),
             other => panic!("{tids:?}: {:?}", other.map_err(|e| e.to_string())),
         }
@@ -59,7 +59,7 @@ fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() 
     fake.process(10, &[10, 11, 12]);
     fake.foreign.insert(11, 4242);
     fake.foreign.insert(10, 4242);
-    let err = seize_all(&mut fake, 10).unwrap_err();
+    let err = seize_all(&mut fake, 10, None).unwrap_err();
     // The leader is held already: nothing was seized, the tracer named.
     assert!(
         matches!(
@@ -77,7 +77,7 @@ fn a_thread_held_by_another_tracer_gives_the_attach_up_and_lets_the_others_go() 
     let mut fake = FakeTarget::new();
     fake.process(10, &[10, 11, 12]);
     fake.foreign.insert(11, 4242);
-    let err = seize_all(&mut fake, 10).unwrap_err();
+    let err = seize_all(&mut fake, 10, None).unwrap_err();
     // Only a thread is held: its tracer is the one named.
     assert!(matches!(
         err,
@@ -102,7 +102,7 @@ fn a_thread_memptrace_holds_already_is_not_seized_again() {
     let mut fake = FakeTarget::new();
     fake.process(10, &[10, 11]);
     fake.foreign.insert(11, std::process::id() as Tid);
-    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+    assert_eq!(seize_all(&mut fake, 10, None).unwrap(), [10]);
 }
 
 /// A thread listed, then gone, its id given to a thread of another
@@ -116,7 +116,7 @@ fn a_thread_id_reused_by_another_process_is_let_go() {
     fake.process(10, &[10, 11, 12]);
     fake.process(20, &[20]);
     fake.reused.insert(11, 20);
-    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10, 12]);
+    assert_eq!(seize_all(&mut fake, 10, None).unwrap(), [10, 12]);
     let of_11: Vec<&Call> = fake
         .calls
         .iter()
@@ -137,14 +137,14 @@ fn a_thread_id_reused_by_another_process_is_let_go() {
     let mut fake = FakeTarget::new();
     fake.process(10, &[10, 11]);
     fake.ending.insert(11);
-    assert_eq!(seize_all(&mut fake, 10).unwrap(), [10]);
+    assert_eq!(seize_all(&mut fake, 10, None).unwrap(), [10]);
     assert_eq!(seized(&fake), [10]);
 }
 
 #[test]
 fn no_such_process() {
     let mut fake = FakeTarget::new();
-    let err = seize_all(&mut fake, 10).unwrap_err();
+    let err = seize_all(&mut fake, 10, None).unwrap_err();
     assert!(matches!(err, TraceError::NoSuchProcess(10)));
 }
 
@@ -507,4 +507,34 @@ fn a_space_a_seccomp_filter_kept_from_hooking_abandons_the_attach_saying_why() {
          may refuse: mmap: Operation not permitted"
     );
     assert_eq!(rig.stats.hooked_functions, 0);
+}
+
+#[test]
+fn a_pid_whose_process_was_reaped_since_it_was_checked_is_let_go() {
+    // The process checked, reaped since: its number now names another
+    // process (the fake's), which is seized and then let go.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let origin = Pidfd::open(child.id() as Tid).unwrap();
+    assert!(origin.unreaped());
+    child.wait().unwrap();
+    assert!(!origin.unreaped());
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11]);
+    let err = seize_all(&mut fake, 10, Some(&origin)).unwrap_err();
+    assert!(matches!(err, TraceError::NoSuchProcess(10)), "{err}");
+    assert_eq!(seized(&fake), [10, 11]);
+    assert!(fake.threads.is_empty(), "every thread seized was let go");
+    // Unreaped, even exited: the same process, attached as usual.
+    let mut zombie = std::process::Command::new("true").spawn().unwrap();
+    let origin = Pidfd::open(zombie.id() as Tid).unwrap();
+    while std::fs::read_to_string(format!("/proc/{}/stat", zombie.id()))
+        .is_ok_and(|stat| !stat.contains(") Z "))
+    {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(origin.unreaped(), "a zombie is not reaped");
+    let mut fake = FakeTarget::new();
+    fake.process(10, &[10, 11]);
+    assert_eq!(seize_all(&mut fake, 10, Some(&origin)).unwrap(), [10, 11]);
+    zombie.wait().unwrap();
 }
