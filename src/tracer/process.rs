@@ -5,7 +5,7 @@
 //! seen. What belongs to a process goes with it: at its exit or exec,
 //! nothing of it stays behind.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use super::booking::copies::PendingCopy;
@@ -61,8 +61,8 @@ impl Process {
             role,
             space,
             libunwind: None,
-            aliases: HashMap::new(),
-            sites: HashMap::new(),
+            aliases: HashMap::default(),
+            sites: HashMap::default(),
             warned: false,
             merge: Default::default(),
             paused: None,
