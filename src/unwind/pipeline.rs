@@ -16,7 +16,7 @@ use crate::event::Event;
 use crate::namer::NameSender;
 use crate::queue::Receiver;
 use crate::sink::{Record, RecordSender, SinkError};
-use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
+use crate::trace_msg::{CallBatch, CallStack, RawCall, RawMap, SpareBatches, TraceMsg};
 
 mod handle;
 pub use handle::{PipelineHandle, weigh};
@@ -70,6 +70,8 @@ struct Pipeline {
     names: Option<NameSender>,
     /// The interned frames handed to `names` so far.
     named: usize,
+    /// Where emptied call batches go back to the tracer.
+    spares: SpareBatches,
 }
 
 impl Pipeline {
@@ -78,6 +80,7 @@ impl Pipeline {
         stacks: bool,
         max_depth: usize,
         names: Option<NameSender>,
+        spares: SpareBatches,
     ) -> Pipeline {
         Pipeline {
             unwind_here,
@@ -95,6 +98,7 @@ impl Pipeline {
             meta_written: Default::default(),
             names,
             named: 0,
+            spares,
         }
     }
 
@@ -185,9 +189,10 @@ impl Pipeline {
                 process.unwinder.set_trampolines(areas);
             }
             TraceMsg::Call(call) => self.call(*call),
-            TraceMsg::Calls(batch) => {
-                for call in batch.calls {
-                    let frames = &batch.frames[call.frames];
+            TraceMsg::Calls(mut batch) => {
+                let CallBatch { calls, frames } = &mut *batch;
+                for call in calls.drain(..) {
+                    let frames = &frames[call.frames];
                     let caller = frames.first().copied().unwrap_or(0);
                     let ips = if call.caller_only { &[][..] } else { frames };
                     // A stack seen before is looked up where it lies, not
@@ -207,6 +212,7 @@ impl Pipeline {
                         call.unmatched_release,
                     );
                 }
+                self.spares.give(*batch);
             }
         }
     }
@@ -514,7 +520,7 @@ mod tests {
     /// with room for as many.
     #[test]
     fn records_leave_in_a_vector_of_their_own_size() {
-        let mut pipeline = Pipeline::new(false, true, 64, None);
+        let mut pipeline = Pipeline::new(false, true, 64, None, SpareBatches::default());
         for id in 0..1000 {
             pipeline.out.push(Record::Event(event(id)));
         }

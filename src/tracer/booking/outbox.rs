@@ -125,11 +125,14 @@ impl Outbox {
     /// call by call was a tenth of the tracer thread's time).
     fn close_calls(&mut self) {
         if !self.open.is_empty() {
-            let next = CallBatch {
-                calls: Vec::with_capacity(self.open.calls.len()),
-                frames: Vec::with_capacity(self.open.frames.len()),
-            };
-            let calls = std::mem::replace(&mut self.open, Box::new(next));
+            // One the pipeline emptied, its memory faulted in already.
+            let next = self.pipeline.spare_batch().unwrap_or_else(|| {
+                Box::new(CallBatch {
+                    calls: Vec::with_capacity(self.open.calls.len()),
+                    frames: Vec::with_capacity(self.open.frames.len()),
+                })
+            });
+            let calls = std::mem::replace(&mut self.open, next);
             self.batch.push(TraceMsg::Calls(calls));
         }
     }

@@ -7,12 +7,14 @@ use super::{Pipeline, PipelineResult};
 use crate::namer::NameSender;
 use crate::queue::{self, Sender, TrySendError};
 use crate::sink::{RecordSender, SinkError};
-use crate::trace_msg::{CallStack, RawCall, RawMap, TraceMsg};
+use crate::trace_msg::{CallBatch, CallStack, RawCall, RawMap, SpareBatches, TraceMsg};
 
 /// The producer side, held by the tracer.
 pub struct PipelineHandle {
     tx: Option<Sender<Vec<TraceMsg>>>,
     thread: Option<JoinHandle<Result<PipelineResult, SinkError>>>,
+    /// Call batches the pipeline emptied, for the next ones.
+    spares: SpareBatches,
 }
 
 /// What the queue from the tracer holds at most, in bytes of messages (see
@@ -64,7 +66,8 @@ impl PipelineHandle {
         names: Option<NameSender>,
     ) -> PipelineHandle {
         let (tx, rx) = queue::bounded(QUEUE_BYTES, weigh);
-        let pipeline = Pipeline::new(unwind_here, stacks, max_depth, names);
+        let spares = SpareBatches::default();
+        let pipeline = Pipeline::new(unwind_here, stacks, max_depth, names, spares.clone());
         let thread = std::thread::Builder::new()
             .name("memptrace-unwind".into())
             .spawn(move || pipeline.run(rx, recorder))
@@ -72,6 +75,7 @@ impl PipelineHandle {
         PipelineHandle {
             tx: Some(tx),
             thread: Some(thread),
+            spares,
         }
     }
 
@@ -82,7 +86,13 @@ impl PipelineHandle {
         PipelineHandle {
             tx: Some(tx),
             thread: None,
+            spares: SpareBatches::default(),
         }
+    }
+
+    /// A call batch the pipeline emptied, to fill again.
+    pub fn spare_batch(&self) -> Option<Box<CallBatch>> {
+        self.spares.take()
     }
 
     pub fn send(&self, batch: Vec<TraceMsg>) -> Result<(), SinkError> {
