@@ -160,8 +160,9 @@ impl CallBatch {
 
 /// Call batches the pipeline has emptied, handed back for the tracer's next
 /// ones: a batch made on one thread and freed on another left glibc's
-/// arenas consolidating and faulting in fresh pages for every batch (a
-/// tenth of the tracer thread's samples on python3). A few are kept, each
+/// arenas consolidating and faulting in fresh pages for every batch
+/// (`malloc_consolidate` and `_int_malloc`, a ninth of the tracer thread's
+/// samples on python3). A few are kept, each
 /// at most [`SpareBatches::ROOM`] bytes: what waits here is bounded.
 #[derive(Clone, Debug, Default)]
 pub struct SpareBatches(Arc<std::sync::Mutex<Vec<CallBatch>>>);

@@ -5,7 +5,7 @@
 //! seen. What belongs to a process goes with it: at its exit or exec,
 //! nothing of it stays behind.
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::FxHashMap;
 use std::ops::Range;
 
 use super::booking::copies::PendingCopy;
@@ -43,9 +43,9 @@ pub struct Process {
     pub libunwind: Option<LibunwindUnwinder>,
     /// Which of several names sharing an address each call site used (see
     /// `callsite`), by return address.
-    pub aliases: HashMap<u64, Op>,
+    pub aliases: FxHashMap<u64, Op>,
     /// Calls seen per call site (return address), for `--stack-every`.
-    pub sites: HashMap<u64, u64>,
+    pub sites: FxHashMap<u64, u64>,
     /// The user was told its program has nothing to hook.
     pub warned: bool,
     /// Records of its jump probes waiting for their turn.
@@ -61,8 +61,8 @@ impl Process {
             role,
             space,
             libunwind: None,
-            aliases: HashMap::default(),
-            sites: HashMap::default(),
+            aliases: FxHashMap::default(),
+            sites: FxHashMap::default(),
             warned: false,
             merge: Default::default(),
             paused: None,
@@ -162,12 +162,12 @@ pub enum Child {
 /// Every traced process and thread.
 #[derive(Default)]
 pub struct Family {
-    pub processes: HashMap<Tid, Process>,
-    pub threads: HashMap<Tid, Thread>,
+    pub processes: FxHashMap<Tid, Process>,
+    pub threads: FxHashMap<Tid, Thread>,
     /// First stops of threads whose creation event has not been seen yet.
-    pub early: HashMap<Tid, Stop>,
+    pub early: FxHashMap<Tid, Stop>,
     /// Children announced whose first stop has not been seen yet.
-    pub announced: HashMap<Tid, Child>,
+    pub announced: FxHashMap<Tid, Child>,
 }
 
 impl Family {
