@@ -37,6 +37,18 @@ fn allocator_calls(t: &Trace, op: &str, allocator: &str) -> i64 {
     .unwrap()
 }
 
+/// The allocator's mmap calls of big blocks whose stack goes on, through
+/// malloc (and, with jump probes, through malloc's probe), to the program;
+/// musl's malloc, which has no unwind tables, by the frames memptrace
+/// describes from its machine code (`symbols::height`).
+fn big_allocs_through(t: &Trace) -> i64 {
+    t.int(
+        "SELECT count(*) FROM map_events m JOIN stack_text s ON s.stack_id = m.stack_id
+         WHERE m.op = 'mmap' AND m.by_allocator = 'malloc' AND m.len >= 1048576
+         AND s.text LIKE '%big_alloc%'",
+    )
+}
+
 /// The `map <function> <op> <calls>` lines of the tracee's output.
 fn stated(stdout: &str) -> Vec<(String, String, i64)> {
     stdout
@@ -97,6 +109,7 @@ fn mapping_calls_on_every_build() {
         let t = trace(variant, "mapping", &[], &[]);
         assert_eq!(t.run.code(), 0, "{variant:?}: {}", t.run.stderr);
         check(&t, variant);
+        assert_eq!(big_allocs_through(&t), 8, "{variant:?}");
         // sbrk's own brk is left out by design: no call counted as lost.
         assert_eq!(t.meta("nested_calls").as_deref(), Some("0"), "{variant:?}");
         if probes() == "jump" {
@@ -165,16 +178,7 @@ fn mapping_calls_while_attached() {
         let mut t = open_trace(&db, out);
         t.run.stdout = end.stdout;
         check(&t, variant);
-        // The allocator's mmap calls have the whole stack, through malloc
-        // (and, with jump probes, through malloc's probe) to the program;
-        // musl's malloc, which has no unwind tables, by the frames
-        // memptrace describes from its machine code (`symbols::height`).
-        let through: i64 = t.int(
-            "SELECT count(*) FROM map_events m JOIN stack_text s ON s.stack_id = m.stack_id
-             WHERE m.op = 'mmap' AND m.by_allocator = 'malloc' AND m.len >= 1048576
-             AND s.text LIKE '%big_alloc%'",
-        );
-        assert_eq!(through, 8, "{variant:?}");
+        assert_eq!(big_allocs_through(&t), 8, "{variant:?}");
         if probes() == "jump" {
             assert_eq!(
                 t.meta("on_memptrace_death").as_deref(),

@@ -75,9 +75,6 @@ impl Space {
             targets.push((module.bias.to_avma(svma).0, HookKind::DebugState));
         }
         let signals = &mut changes.signals;
-        // Attached with jump probes: no int3 where memptrace's death would
-        // make it fatal (see `tracer::failopen`).
-        let fail_open = self.probing.next_jump().is_some_and(|next| next.fail_open);
         for (addr, kind) in targets {
             if self.hooks.contains(addr) {
                 continue;
@@ -130,7 +127,9 @@ impl Space {
                 }
             }
         }
-        if fail_open {
+        // A mapping call's walk from inside an allocator call meets the
+        // allocator probe's return path, in a launch as in an attach.
+        if self.probing.next_jump().is_some() {
             self.publish_return_paths();
         }
         Ok(())

@@ -14,8 +14,8 @@ use crate::unwind::tables::{UnwindTable, rule};
 
 impl Space {
     /// Publish the return paths of the jump probes in each trampoline area
-    /// as that area's unwind table (attach with jump probes on mapping
-    /// functions only).
+    /// as that area's unwind table (with jump probes: mapping functions
+    /// have jump probes too, but for an image without unwind tables).
     pub(super) fn publish_return_paths(&mut self) {
         let areas = self.area_ranges();
         let mut returns: Vec<u64> = self
