@@ -165,7 +165,8 @@ fn attach(config: TraceConfig, pid: i32, duration: Option<Duration>) -> Result<i
     // The process the number names now: the one checked below, and the
     // one traced (should it be reaped before the seize and its number
     // given to another, that one is let go). None on a kernel without
-    // pidfds (before 5.3).
+    // pidfds (before 5.3), and for a thread that is not a process (refused
+    // below).
     let origin = match Pidfd::open(pid) {
         Err(err) if err.raw_os_error() == Some(libc::ESRCH) => {
             return Err(Error::NoSuchProcess(pid));

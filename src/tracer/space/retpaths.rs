@@ -14,8 +14,8 @@ use crate::unwind::tables::{UnwindTable, rule};
 
 impl Space {
     /// Publish the return paths of the jump probes in each trampoline area
-    /// as that area's unwind table (with jump probes: mapping functions
-    /// have jump probes too, but for an image without unwind tables).
+    /// as that area's unwind table, in a launch as in an attach: the walk of
+    /// a mapping call made inside an allocator call goes through them.
     pub(super) fn publish_return_paths(&mut self) {
         let areas = self.area_ranges();
         let mut returns: Vec<u64> = self
